@@ -1,0 +1,13 @@
+// CPU kernels of the gated delta rule ops.
+#include <torch/library.h>
+
+#include "../op_impl.h"
+
+namespace gated_delta {
+
+TORCH_LIBRARY_IMPL(gated_delta, CPU, m) {
+  m.impl("fwd", &fwd_impl<core_forward_cpu>);
+  m.impl("bwd", &bwd_impl<core_backward_cpu>);
+}
+
+}  // namespace gated_delta

@@ -1,0 +1,15 @@
+"""gated_delta: the gated delta rule (the token mixer of Gated DeltaNet) as a PyTorch C++/CUDA extension."""
+from .ops import ALGORITHMS, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, gated_delta_rule
+from .reference import gated_delta_rule_ref
+from . import reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ALGORITHMS",
+    "gated_delta_rule",
+    "chunk_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule",
+    "gated_delta_rule_ref",
+    "reference",
+]
