@@ -36,6 +36,7 @@ class ShortConvFunction : public torch::autograd::Function<ShortConvFunction> {
     auto [y, ht] = op.call(x, weight, bias, h0, cu, output_final_state, use_silu);
     ctx->save_for_backward({x, weight, or_undefined(bias), or_undefined(h0), or_undefined(cu)});
     ctx->saved_data["use_silu"] = use_silu;
+    ctx->saved_data["output_final_state"] = output_final_state;
     if (!output_final_state) ctx->mark_non_differentiable({ht});
     return {y, ht};
   }
@@ -48,7 +49,9 @@ class ShortConvFunction : public torch::autograd::Function<ShortConvFunction> {
     const OptTensor bias = or_none(saved[2]), h0 = or_none(saved[3]), cu = or_none(saved[4]);
     const bool use_silu = ctx->saved_data["use_silu"].toBool();
     at::Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(x);
-    OptTensor dht = grads[1].defined() && grads[1].numel() > 0 ? OptTensor(grads[1]) : c10::nullopt;
+    // (decided by the flag, not by numel, so that tracing with symbolic shapes works)
+    const bool has_final = ctx->saved_data["output_final_state"].toBool();
+    OptTensor dht = has_final && grads[1].defined() ? OptTensor(grads[1]) : c10::nullopt;
     auto [dx, dweight, dbias, dh0] = op.call(dy, dht, x, weight, bias, h0, cu, use_silu);
     at::Tensor none;
     return {dx, dweight, bias.has_value() ? dbias : none, h0.has_value() ? dh0 : none, none, none, none};

@@ -279,7 +279,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> short_conv_bwd_cpu(
   });
   at::Tensor dweight = dwt.narrow(0, 0, W).t().to(weight.scalar_type()).contiguous();
   at::Tensor dbias =
-      bias.has_value() ? dwt.select(0, W).to(bias->scalar_type()).contiguous() : at::empty({0}, weight.options());
+      bias.has_value() ? dwt.select(0, W).to(bias->scalar_type(), /*non_blocking=*/false, /*copy=*/true)
+                                       : at::empty({0}, weight.options());
   return {dx, dweight, dbias, dh0};
 }
 
