@@ -1,0 +1,193 @@
+"""The op contract: argument errors, empty inputs, the Python API, opcheck and torch.compile (CPU)."""
+import pytest
+import torch
+
+import gated_delta
+from gated_delta import gated_delta_rule, gated_delta_rule_ref
+
+
+def make_inputs(B=1, T=9, H=2, HV=4, K=8, V=6, dtype=torch.float64, device="cpu", requires_grad=False):
+    q = torch.randn(B, T, H, K, dtype=dtype, device=device)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, dtype=dtype, device=device), dim=-1)
+    v = torch.randn(B, T, HV, V, dtype=dtype, device=device)
+    g = -torch.rand(B, T, HV, dtype=dtype, device=device)
+    beta = torch.rand(B, T, HV, dtype=dtype, device=device)
+    xs = [q, k, v, g, beta]
+    if requires_grad:
+        xs = [x.requires_grad_() for x in xs]
+    return xs
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+# ---------------------------------------------------------------- bad input
+
+BAD_CASES = {
+    "q rank": (lambda a: a.update(q=a["q"][0]), "q must have shape [B, T, H, K]"),
+    "k shape": (lambda a: a.update(k=a["k"][:, :, :1]), "k must have the shape of q"),
+    "v shape": (lambda a: a.update(v=a["v"][:, :5]), "v must have shape [B, T, HV, V]"),
+    "HV not multiple": (lambda a: a.update(v=torch.randn(1, 9, 3, 6, dtype=torch.float64)),
+                        "HV a multiple of H=2, got [1, 9, 3, 6]"),
+    "k dtype": (lambda a: a.update(k=a["k"].float()), "k must have the dtype of q"),
+    "v dtype": (lambda a: a.update(v=a["v"].float()), "v must have the dtype of q"),
+    "g shape": (lambda a: a.update(g=a["g"][..., :2]), "g must have shape [B, T, HV]"),
+    "beta shape": (lambda a: a.update(beta=a["beta"][:, :3]), "beta must have shape [B, T, HV]"),
+    "q int": (lambda a: a.update(q=a["q"].long()), "q must be float64, float32, bfloat16 or float16"),
+    "initial_state shape": (lambda a: a.update(initial_state=torch.zeros(1, 4, 8, 5, dtype=torch.float64)),
+                            "initial_state must have shape [N, HV, K, V] = [1, 4, 8, 6]"),
+    "initial_state dtype": (lambda a: a.update(initial_state=torch.zeros(1, 4, 8, 6, dtype=torch.float32)),
+                            "initial_state must be Double"),
+    "cu_seqlens with B != 1": (lambda a: a.update(**{k_: torch.cat([a[k_], a[k_]]) for k_ in "q k v g beta".split()},
+                                                  cu_seqlens=torch.tensor([0, 4, 9])),
+                               "cu_seqlens requires a packed batch with B = 1, got B = 2"),
+    "cu_seqlens start": (lambda a: a.update(cu_seqlens=torch.tensor([1, 4, 9])), "cu_seqlens must start at 0"),
+    "cu_seqlens decreasing": (lambda a: a.update(cu_seqlens=torch.tensor([0, 6, 4, 9])),
+                              "cu_seqlens must be non-decreasing"),
+    "cu_seqlens end": (lambda a: a.update(cu_seqlens=torch.tensor([0, 4, 8])), "cu_seqlens must end at T = 9"),
+    "cu_seqlens beyond T": (lambda a: a.update(cu_seqlens=torch.tensor([0, 40, 9])),
+                            "cu_seqlens must be non-decreasing"),
+    "cu_seqlens dtype": (lambda a: a.update(cu_seqlens=torch.tensor([0.0, 9.0])), "cu_seqlens must be int32 or int64"),
+    "cu_seqlens rank": (lambda a: a.update(cu_seqlens=torch.tensor([[0, 9]])), "cu_seqlens must be a 1-D tensor"),
+    "algorithm": (lambda a: a.update(algorithm="fast"), "algorithm must be one of"),
+    "chunk_size": (lambda a: a.update(chunk_size=0), "chunk_size must be an integer >= 1, got 0"),
+    "gate without A_log": (lambda a: a.update(use_gate_in_kernel=True, dt_bias=torch.zeros(4, dtype=torch.float64)),
+                           "use_gate_in_kernel=True requires A_log"),
+    "A_log shape": (lambda a: a.update(use_gate_in_kernel=True, A_log=torch.zeros(3, dtype=torch.float64),
+                                       dt_bias=torch.zeros(4, dtype=torch.float64)), "A_log must have shape [HV] = [4]"),
+    "A_log without gate": (lambda a: a.update(A_log=torch.zeros(4, dtype=torch.float64)),
+                           "A_log is only used with use_gate_in_kernel=True"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_input_names_the_argument(case):
+    q, k, v, g, beta = make_inputs()
+    args = dict(q=q, k=k, v=v, g=g, beta=beta)
+    mutate, message = BAD_CASES[case]
+    mutate(args)
+    with pytest.raises((RuntimeError, ValueError, TypeError)) as info:
+        gated_delta_rule(**args)
+    assert message in str(info.value), str(info.value)
+
+
+def test_bad_input_in_the_raw_op():
+    q, k, v, g, beta = make_inputs()
+    with pytest.raises(RuntimeError, match="chunk_size must be >= 1, got -3"):
+        torch.ops.gated_delta.fwd(q, k, v, g, beta, 1.0, None, False, None, None, False, False, False, False, None,
+                                  None, "chunk", -3)
+    with pytest.raises(RuntimeError, match="algorithm must be one of 'auto', 'recurrent', 'chunk', 'scan', got 'x'"):
+        torch.ops.gated_delta.fwd(q, k, v, g, beta, 1.0, None, False, None, None, False, False, False, False, None,
+                                  None, "x", 64)
+
+
+# ---------------------------------------------------------------- API behaviour
+
+def test_final_state_only_when_asked():
+    q, k, v, g, beta = make_inputs()
+    o, ht = gated_delta_rule(q, k, v, g, beta)
+    assert ht is None and o.shape == v.shape and o.dtype == v.dtype
+    o, ht = gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    assert ht.shape == (1, 4, 8, 6) and ht.dtype == torch.float64
+
+
+@pytest.mark.parametrize("algorithm", ["recurrent", "chunk", "scan", "auto"])
+def test_empty_sequence(algorithm):
+    q, k, v, g, beta = make_inputs(T=0)
+    h0 = torch.randn(1, 4, 8, 6, dtype=torch.float64)
+    o, ht = gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, algorithm=algorithm)
+    assert o.shape == (1, 0, 4, 6)
+    assert torch.equal(ht, h0)
+    o, ht = gated_delta_rule(q, k, v, g, beta, output_final_state=True, algorithm=algorithm)
+    assert torch.equal(ht, torch.zeros_like(h0))
+
+
+def test_empty_sequence_gradient_reaches_initial_state():
+    q, k, v, g, beta = make_inputs(T=0)
+    h0 = torch.randn(1, 4, 8, 6, dtype=torch.float64, requires_grad=True)
+    _, ht = gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    w = torch.randn_like(ht)
+    (grad,) = torch.autograd.grad((ht * w).sum(), h0)
+    assert torch.equal(grad, w)
+
+
+def test_flash_linear_attention_names():
+    q, k, v, g, beta = make_inputs(T=20)
+    o_ref, h_ref = gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True)
+    o, h = gated_delta.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    assert rel(o, o_ref) < 1e-10 and rel(h, h_ref) < 1e-10
+    o, h = gated_delta.fused_recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    assert rel(o, o_ref) < 1e-10 and rel(h, h_ref) < 1e-10
+    o, _ = gated_delta.fused_recurrent_gated_delta_rule(q, k, v)
+    o_ref, _ = gated_delta_rule_ref(q, k, v, torch.zeros_like(g), torch.ones_like(beta))
+    assert rel(o, o_ref) < 1e-10
+
+
+def test_default_scale_is_inverse_sqrt_k():
+    q, k, v, g, beta = make_inputs(T=5)
+    o1, _ = gated_delta_rule(q, k, v, g, beta)
+    o2, _ = gated_delta_rule(q, k, v, g, beta, scale=8 ** -0.5)
+    torch.testing.assert_close(o1, o2, rtol=0, atol=0)
+
+
+def test_nan_propagates():
+    q, k, v, g, beta = make_inputs(T=30)
+    v = v.clone()
+    v[0, 3, 1, 2] = float("nan")
+    for algorithm in ("recurrent", "chunk", "scan"):
+        o, _ = gated_delta_rule(q, k, v, g, beta, algorithm=algorithm, chunk_size=8)
+        assert torch.isnan(o[0, 3:, 1]).any()
+        assert not torch.isnan(o[0, :, 0]).any()
+
+
+# ---------------------------------------------------------------- opcheck and torch.compile
+
+def _op_args(requires_grad, options):
+    q, k, v, g, beta = make_inputs(T=11, requires_grad=requires_grad)
+    h0 = torch.randn(1, 4, 8, 6, dtype=torch.float64, requires_grad=requires_grad)
+    l2, sig, neg, gate = options
+    A_log = torch.randn(4, dtype=torch.float64, requires_grad=requires_grad) if gate else None
+    dt_bias = torch.randn(4, dtype=torch.float64, requires_grad=requires_grad) if gate else None
+    return (q, k, v, g, beta, 0.3, h0, True, None, None, l2, sig, neg, gate, A_log, dt_bias, "chunk", 4)
+
+
+@pytest.mark.parametrize("options", [(False, False, False, False), (True, True, True, True)])
+def test_opcheck_fwd(options):
+    torch.library.opcheck(torch.ops.gated_delta.fwd.default, _op_args(True, options))
+    torch.library.opcheck(torch.ops.gated_delta.fwd.default, _op_args(False, options))
+
+
+def test_opcheck_fwd_varlen():
+    q, k, v, g, beta = make_inputs(T=11)
+    cu = torch.tensor([0, 3, 3, 11])
+    args = (q, k, v, g, beta, 0.3, None, True, cu, None, False, False, False, False, None, None, "scan", 4)
+    torch.library.opcheck(torch.ops.gated_delta.fwd.default, args)
+
+
+@pytest.mark.parametrize("options", [(False, False, False, False), (True, True, False, True)])
+def test_opcheck_bwd(options):
+    args = _op_args(False, options)
+    d_o = torch.randn_like(args[2])
+    d_ht = torch.randn(1, 4, 8, 6, dtype=torch.float64)
+    bwd_args = (d_o, d_ht) + args[:7] + args[8:]
+    torch.library.opcheck(torch.ops.gated_delta.bwd.default, bwd_args)
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    torch._dynamo.reset()
+
+    def layer(q, k, v, g, beta, h0):
+        o, ht = gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True, chunk_size=4)
+        return (o * o).sum() + ht.sum()
+
+    xs = make_inputs(T=13, requires_grad=True) + [torch.randn(1, 4, 8, 6, dtype=torch.float64, requires_grad=True)]
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    loss_c = compiled(*xs)
+    grads_c = torch.autograd.grad(loss_c, xs)
+    loss_e = layer(*xs)
+    grads_e = torch.autograd.grad(loss_e, xs)
+    torch.testing.assert_close(loss_c, loss_e)
+    for a, b in zip(grads_c, grads_e):
+        torch.testing.assert_close(a, b)
