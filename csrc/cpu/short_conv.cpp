@@ -53,11 +53,6 @@ std::vector<Block> token_blocks(const std::vector<Seq>& seqs, int64_t block) {
 
 constexpr int64_t kTokenBlock = 32;
 
-template <typename acc_t>
-inline acc_t sigmoid(acc_t z) {
-  return acc_t(1) / (acc_t(1) + std::exp(-z));
-}
-
 // Read access to the inputs of one sequence extended to the left by its initial state.
 template <typename scalar_t>
 struct SeqInput {
@@ -106,7 +101,8 @@ std::tuple<at::Tensor, at::Tensor> short_conv_fwd_cpu(const at::Tensor& x, const
   const int64_t B = sz.B, T = sz.T, D = sz.D, W = sz.W, N = sz.N;
   const at::Tensor xc = x.contiguous();
   const at::Tensor h0 = initial_state.has_value() ? initial_state->contiguous() : at::Tensor();
-  at::Tensor y = at::empty({B, T, D}, x.options());
+  const at::ScalarType acc = acc_dtype(x.scalar_type());
+  at::Tensor z = at::empty({B, T, D}, x.options().dtype(acc));  // pre-activation, in the accumulation dtype
   at::Tensor final_state =
       output_final_state ? at::empty({N, D, W - 1}, x.options()) : at::empty({0}, x.options());
   const auto seqs = sequences(B, T, cu_seqlens);
@@ -114,27 +110,18 @@ std::tuple<at::Tensor, at::Tensor> short_conv_fwd_cpu(const at::Tensor& x, const
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "short_conv_fwd_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const at::ScalarType acc = c10::CppTypeToScalarType<acc_t>::value;
     const at::Tensor wt = weight_rows(weight, acc);
     const at::Tensor bc = bias.has_value() ? bias->to(acc).contiguous() : at::Tensor();
     const SeqInput<scalar_t> in{xc.data_ptr<scalar_t>(), h0.defined() ? h0.data_ptr<scalar_t>() : nullptr, T, D,
                                 W};
     const acc_t* wp = wt.data_ptr<acc_t>();
     const acc_t* bp = bc.defined() ? bc.data_ptr<acc_t>() : nullptr;
-    scalar_t* yp = y.data_ptr<scalar_t>();
+    acc_t* zp = z.data_ptr<acc_t>();
     at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t lo, int64_t hi) {
-      std::vector<acc_t> z(kTokenBlock * D);
       for (int64_t i = lo; i < hi; ++i) {
         const Block& blk = blocks[i];
         const Seq& s = seqs[blk.seq];
-        conv_rows(in, wp, bp, s, blk.t0, blk.t1, z.data());
-        for (int64_t t = blk.t0; t < blk.t1; ++t) {
-          const acc_t* zr = z.data() + (t - blk.t0) * D;
-          scalar_t* yr = yp + (s.b * T + t) * D;
-          for (int64_t d = 0; d < D; ++d) {
-            yr[d] = static_cast<scalar_t>(use_silu ? zr[d] * sigmoid(zr[d]) : zr[d]);
-          }
-        }
+        conv_rows(in, wp, bp, s, blk.t0, blk.t1, zp + (s.b * T + blk.t0) * D);
       }
     });
     if (output_final_state && W > 1) {
@@ -150,7 +137,9 @@ std::tuple<at::Tensor, at::Tensor> short_conv_fwd_cpu(const at::Tensor& x, const
       }
     }
   });
-  return {y, final_state};
+  // The activation with ATen's vectorised kernel; the cast is a no-op for fp32 / fp64 inputs.
+  if (use_silu) at::silu_(z);
+  return {z.to(x.scalar_type()), final_state};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> short_conv_bwd_cpu(
@@ -188,31 +177,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> short_conv_bwd_cpu(
                                 W};
     const acc_t* wp = wt.data_ptr<acc_t>();
     const acc_t* bp = bc.defined() ? bc.data_ptr<acc_t>() : nullptr;
-    const acc_t* dyp = dyc.data_ptr<acc_t>();
     const acc_t* dfp = dfc.defined() ? dfc.data_ptr<acc_t>() : nullptr;
     acc_t* dzp = dz.data_ptr<acc_t>();
 
-    // dz = dy * act'(z), z recomputed.
-    at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t lo, int64_t hi) {
-      std::vector<acc_t> z(kTokenBlock * D);
-      for (int64_t i = lo; i < hi; ++i) {
-        const Block& blk = blocks[i];
-        const Seq& s = seqs[blk.seq];
-        conv_rows(in, wp, bp, s, blk.t0, blk.t1, z.data());
-        for (int64_t t = blk.t0; t < blk.t1; ++t) {
-          const acc_t* zr = z.data() + (t - blk.t0) * D;
-          const int64_t off = (s.b * T + t) * D;
-          for (int64_t d = 0; d < D; ++d) {
-            if (use_silu) {
-              const acc_t sg = sigmoid(zr[d]);
-              dzp[off + d] = dyp[off + d] * sg * (acc_t(1) + zr[d] * (acc_t(1) - sg));
-            } else {
-              dzp[off + d] = dyp[off + d];
-            }
-          }
+    // dz = dy * act'(z), z recomputed (into dz, then replaced by ATen's vectorised silu_backward).
+    if (use_silu) {
+      at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i) {
+          const Block& blk = blocks[i];
+          const Seq& s = seqs[blk.seq];
+          conv_rows(in, wp, bp, s, blk.t0, blk.t1, dzp + (s.b * T + blk.t0) * D);
         }
-      }
-    });
+      });
+      dz.copy_(at::silu_backward(dyc, dz));
+    } else {
+      dz.copy_(dyc);
+    }
 
     // Gradient of the input at position pos (in [start - (W-1), end)) of sequence s, channel range [0, D):
     //   sum_j w[j] dz[pos + (W-1) - j] over outputs inside the sequence, + d_final_state where pos is kept.
@@ -312,7 +292,7 @@ at::Tensor short_conv_update_cpu(const at::Tensor& x, at::Tensor& conv_state, co
           z += w[W - 1] * static_cast<acc_t>(xt);
           for (int64_t j = 0; j + 1 < W - 1; ++j) st[j] = st[j + 1];
           if (W > 1) st[W - 2] = xt;
-          yp[(b * T + t) * D + d] = static_cast<scalar_t>(use_silu ? z * sigmoid(z) : z);
+          yp[(b * T + t) * D + d] = static_cast<scalar_t>(use_silu ? z / (acc_t(1) + std::exp(-z)) : z);
         }
       }
     });
