@@ -67,5 +67,6 @@ GATED_DELTA_FORCE_CUDA=1 GATED_DELTA_CUDA_ARCHS="${GATED_DELTA_CUDA_ARCHS:-9.0a}
 }
 so=$(find "$WORK/lib" -name "_C*.so" | head -1)
 [ -n "$so" ] || { echo "check_cuda_build: no extension was produced" >&2; exit 1; }
-nm -D --defined-only "$so" | grep -q core_forward_cuda || { echo "check_cuda_build: CUDA core missing from $so" >&2; exit 1; }
+nm -C "$so" | grep -q "core_forward_cuda" || { echo "check_cuda_build: CUDA core missing from $so" >&2; exit 1; }
+nm -C "$so" | grep -q "state_fwd_kernel" || { echo "check_cuda_build: CUDA kernels missing from $so" >&2; exit 1; }
 echo "check_cuda_build: OK ($so, $(( $(date +%s) - start )) s)"
