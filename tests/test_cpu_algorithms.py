@@ -306,8 +306,9 @@ def test_deterministic(algorithm):
             assert torch.equal(first[2][n], again[2][n]), n
 
 
-def test_portable_matrix_product():
-    # GATED_DELTA_CPU_BLAS=0 switches the small matrix products from the BLAS to the portable loops
+def test_portable_code_paths():
+    # GATED_DELTA_CPU_BLAS=0: the small matrix products run on portable loops instead of the BLAS;
+    # GATED_DELTA_CPU_ISA=base: the recurrent loops run in their baseline-instruction-set build (not AVX2)
     code = r"""
 import torch, sys
 sys.path.insert(0, %r)
@@ -316,12 +317,12 @@ gen = torch.Generator().manual_seed(7)
 inputs = make_inputs(gen, 0, lengths=[70, 0, 33], H=2, HV=4, K=8, V=12, beta_max=2.0)
 d_o, d_ht = cotangents(gen, inputs)
 ro, rh, rg = ref_grads(inputs, d_o, d_ht)
-for algo in ("chunk", "scan"):
+for algo in ("recurrent", "chunk", "scan"):
     o, ht, gg = grads_of(lambda kw: run_ours(kw, algo, 16), inputs, d_o, d_ht)
     errs = [rel(o, ro), rel(ht, rh)] + [rel(gg[n], rg[n]) for n in rg]
     assert max(errs) < 1e-10, (algo, errs)
 print("ok")
 """ % os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, GATED_DELTA_CPU_BLAS="0")
+    env = dict(os.environ, GATED_DELTA_CPU_BLAS="0", GATED_DELTA_CPU_ISA="base")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr
