@@ -89,6 +89,7 @@ def test_varlen_fp64(chunk_size, initial_state):
 def test_options_fp64(options):
     gen = _gen("options", options)
     inputs = make_inputs(gen, 0, lengths=[70, 1, 0, 45], options=OPTION_SETS[options], beta_max=2.0)
+    inputs["scale"] = 0.37  # not the default K ** -0.5
     ro, rh = run_ref(inputs)
     for algo in ALGORITHMS:
         for chunk_size in (16, 64):
@@ -121,6 +122,7 @@ def test_auto_matches_reference():
         make_inputs(gen, 2, B=2, H=1, HV=2, K=8, V=8),
         make_inputs(gen, 300, B=1, H=1, HV=1, K=8, V=8),
         make_inputs(gen, 0, lengths=[50, 20], H=1, HV=2, K=8, V=8),
+        make_inputs(gen, 40, B=2, H=2, HV=2, K=8, V=4),  # no grouping (H == HV)
     ]
     for inputs in cases:
         d_o, d_ht = cotangents(gen, inputs)
