@@ -207,6 +207,8 @@ median of {args.runs} runs after {args.warmup} warm-up runs for ours; the naive 
 "gated_delta_rule_ref" indexes every token out of the full tensors, so autograd materialises a full-size
 gradient per token and its backward grows as T²; "tokens unbound first" is the same loop over tokens split once
 (backward linear in T), the stronger baseline. Relative L2 error of the chunk output against the loop: {err:.1e}.
+When other processes load the machine, the multi-threaded rows suffer most: a descheduled thread stalls every
+parallel region, so compare rows of one run, and single-threaded rows across runs.
 
 {table}
 """
