@@ -89,6 +89,7 @@ def test_varlen_fp64(chunk_size, initial_state):
 def test_options_fp64(options):
     gen = _gen("options", options)
     inputs = make_inputs(gen, 0, lengths=[70, 1, 0, 45], options=OPTION_SETS[options], beta_max=2.0)
+    inputs["scale"] = 0.37  # not the default K ** -0.5
     ro, rh = run_ref(inputs)
     for algo in ALGORITHMS:
         for chunk_size in (16, 64):
@@ -121,6 +122,7 @@ def test_auto_matches_reference():
         make_inputs(gen, 2, B=2, H=1, HV=2, K=8, V=8),
         make_inputs(gen, 300, B=1, H=1, HV=1, K=8, V=8),
         make_inputs(gen, 0, lengths=[50, 20], H=1, HV=2, K=8, V=8),
+        make_inputs(gen, 40, B=2, H=2, HV=2, K=8, V=4),  # no grouping (H == HV)
     ]
     for inputs in cases:
         d_o, d_ht = cotangents(gen, inputs)
@@ -306,8 +308,9 @@ def test_deterministic(algorithm):
             assert torch.equal(first[2][n], again[2][n]), n
 
 
-def test_portable_matrix_product():
-    # GATED_DELTA_CPU_BLAS=0 switches the small matrix products from the BLAS to the portable loops
+def test_portable_code_paths():
+    # GATED_DELTA_CPU_BLAS=0: the small matrix products run on portable loops instead of the BLAS;
+    # GATED_DELTA_CPU_ISA=base: the recurrent loops run in their baseline-instruction-set build (not AVX2)
     code = r"""
 import torch, sys
 sys.path.insert(0, %r)
@@ -316,12 +319,12 @@ gen = torch.Generator().manual_seed(7)
 inputs = make_inputs(gen, 0, lengths=[70, 0, 33], H=2, HV=4, K=8, V=12, beta_max=2.0)
 d_o, d_ht = cotangents(gen, inputs)
 ro, rh, rg = ref_grads(inputs, d_o, d_ht)
-for algo in ("chunk", "scan"):
+for algo in ("recurrent", "chunk", "scan"):
     o, ht, gg = grads_of(lambda kw: run_ours(kw, algo, 16), inputs, d_o, d_ht)
     errs = [rel(o, ro), rel(ht, rh)] + [rel(gg[n], rg[n]) for n in rg]
     assert max(errs) < 1e-10, (algo, errs)
 print("ok")
 """ % os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, GATED_DELTA_CPU_BLAS="0")
+    env = dict(os.environ, GATED_DELTA_CPU_BLAS="0", GATED_DELTA_CPU_ISA="base")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr

@@ -4,7 +4,8 @@
 // at::parallel_for. Going through at::mm would cost a tensor allocation and a dispatch per product, so gemm()
 // calls the Fortran BLAS that PyTorch's CPU library carries (MKL or OpenBLAS export sgemm_/dgemm_) directly on
 // raw pointers. The symbols are weak: where the library does not export them, or with GATED_DELTA_CPU_BLAS=0,
-// portable loops run instead. Inside a parallel region the BLAS runs single-threaded (it sees the OpenMP region).
+// portable loops run instead (also where the compiler has no weak references). Inside a parallel region the BLAS
+// runs single-threaded (it sees the OpenMP region).
 #include <c10/util/Exception.h>
 
 #include <climits>
@@ -13,6 +14,8 @@
 
 #include "cpu_internal.h"
 
+#if defined(__GNUC__)  // GCC and Clang: weak references, null where no library defines them
+#define GATED_DELTA_WEAK_BLAS 1
 extern "C" {
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
             const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
@@ -21,6 +24,9 @@ void dgemm_(const char* transa, const char* transb, const int* m, const int* n, 
             const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
             const int* ldc) __attribute__((weak));
 }
+#else
+#define GATED_DELTA_WEAK_BLAS 0
+#endif
 
 namespace gated_delta {
 namespace cpu {
@@ -30,7 +36,11 @@ bool blas_available() {
   static const bool available = [] {
     const char* env = std::getenv("GATED_DELTA_CPU_BLAS");
     if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+#if GATED_DELTA_WEAK_BLAS
     return sgemm_ != nullptr && dgemm_ != nullptr;
+#else
+    return false;
+#endif
   }();
   return available;
 }
@@ -75,7 +85,9 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
   const char opa = ta ? 'T' : 'N', opb = tb ? 'T' : 'N';
   const int im = as_int(m), in = as_int(n), ik = as_int(k), ilda = as_int(lda), ildb = as_int(ldb),
             ildc = as_int(ldc);
+#if GATED_DELTA_WEAK_BLAS
   sgemm_(&opb, &opa, &in, &im, &ik, &alpha, b, &ildb, a, &ilda, &beta, c, &ildc);
+#endif
 }
 
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
@@ -85,7 +97,9 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const
   const char opa = ta ? 'T' : 'N', opb = tb ? 'T' : 'N';
   const int im = as_int(m), in = as_int(n), ik = as_int(k), ilda = as_int(lda), ildb = as_int(ldb),
             ildc = as_int(ldc);
+#if GATED_DELTA_WEAK_BLAS
   dgemm_(&opb, &opa, &in, &im, &ik, &alpha, b, &ildb, a, &ilda, &beta, c, &ildc);
+#endif
 }
 
 }  // namespace cpu

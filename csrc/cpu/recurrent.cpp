@@ -1,167 +1,117 @@
 // The recurrent algorithm: the token loop of docs/algorithms.md, one (sequence, value head) unit per task, with
-// the K x V state in a worker-local buffer and tight loops over its rows.
+// the K x V state in a worker-local buffer and tight loops over its rows (recurrent_kernels.inc).
 //
-// Forward step:   S <- alpha S;  u = beta (v - S^T k);  S <- S + k u^T;  o = scale S^T q
-// Backward step (D = dL/dS_t after adding scale q_t do_t^T, S0 = S_{t-1}, w = D^T k, p = S0^T k):
-//   dq = scale S_t do     dv = beta w     dbeta = w . (v - alpha p)     dg = alpha (<D, S0> - beta w . p)
-//   dk = D u - alpha beta S0 w     dS_{t-1} = alpha (D - beta k w^T)
-// The backward keeps the state every kSegment tokens from a forward pass, then walks the segments in reverse,
-// recomputing each segment's states (kSegment + 1 states, never one per token of the sequence).
+// Those loops are all the work here, so on x86-64 with GCC they are compiled twice, for the baseline instruction
+// set and for AVX2 + FMA, and the CPU picks at run time (GATED_DELTA_CPU_ISA=base forces the baseline). The two
+// copies live in internal-linkage namespaces, so no code built for AVX2 can be shared with the rest.
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "cpu_internal.h"
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define GATED_DELTA_AVX2_DISPATCH 1
+#else
+#define GATED_DELTA_AVX2_DISPATCH 0
+#endif
 
 namespace gated_delta {
 namespace cpu {
 namespace {
 
-constexpr int64_t kSegment = 64;
-
-// sum_d x[d] y[d] with 8 independent partial sums (vectorisable without reassociation flags).
-template <typename T>
-inline T dot(const T* x, const T* y, int64_t n) {
-  T part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t d = 0;
-  for (; d + 8 <= n; d += 8) {
-    for (int l = 0; l < 8; ++l) part[l] += x[d + l] * y[d + l];
-  }
-  T acc = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-  for (; d < n; ++d) acc += x[d] * y[d];
-  return acc;
-}
-
-// One token: S_out = alpha S_in + k u^T with u = beta (v - alpha S_in^T k); o = scale S_out^T q (o may be null).
-// S_out may be S_in. acc, u: V scratch.
-template <typename T>
-inline void step_forward(const T* S_in, T* S_out, int64_t K, int64_t V, const T* q, const T* k, const T* v,
-                         T alpha, T beta, T scale, T* o, T* acc, T* u) {
-  for (int64_t j = 0; j < V; ++j) acc[j] = T(0);
-  for (int64_t i = 0; i < K; ++i) {
-    const T ki = k[i];
-    const T* row = S_in + i * V;
-    for (int64_t j = 0; j < V; ++j) acc[j] += ki * row[j];
-  }
-  for (int64_t j = 0; j < V; ++j) u[j] = beta * (v[j] - alpha * acc[j]);
-  if (o != nullptr) {
-    for (int64_t j = 0; j < V; ++j) acc[j] = T(0);
-    for (int64_t i = 0; i < K; ++i) {
-      const T ki = k[i], qi = q[i];
-      const T* in = S_in + i * V;
-      T* out = S_out + i * V;
-      for (int64_t j = 0; j < V; ++j) {
-        const T s = alpha * in[j] + ki * u[j];
-        out[j] = s;
-        acc[j] += qi * s;
-      }
-    }
-    for (int64_t j = 0; j < V; ++j) o[j] = scale * acc[j];
-  } else {
-    for (int64_t i = 0; i < K; ++i) {
-      const T ki = k[i];
-      const T* in = S_in + i * V;
-      T* out = S_out + i * V;
-      for (int64_t j = 0; j < V; ++j) out[j] = alpha * in[j] + ki * u[j];
-    }
-  }
-}
+// The backward keeps the state entering every segment of seg_len(len) tokens, then recomputes one segment's states
+// at a time: 16 tokens keeps a segment's states in cache; longer sequences get longer segments so that no more than
+// kMaxCheckpoints states are kept per sequence.
+constexpr int64_t kMinSegment = 16;
+constexpr int64_t kMaxCheckpoints = 256;
+inline int64_t seg_len(int64_t len) { return std::max(kMinSegment, (len + kMaxCheckpoints - 1) / kMaxCheckpoints); }
 
 template <typename T>
-struct StepGrads {
-  T *dq, *dk, *dv;  // K, K, V
-  T dg, dbeta;
+struct UnitArgs {
+  int64_t len, K, V;
+  const T *q, *k;     // len x K
+  const T* v;         // len x V
+  const T *g, *beta;  // len
+  const T* h0;        // K x V or null
+  T scale;
 };
 
-// Backward of one token. D (K x V) holds dL/dS_t on entry and dL/dS_{t-1} on exit.
-// Scratch: w, p, dsum, u (V each).
 template <typename T>
-inline void step_backward(const T* S0, const T* S1, T* D, int64_t K, int64_t V, const T* q, const T* k,
-                          const T* v, T alpha, T beta, T scale, const T* d_o, StepGrads<T>& out, T* w, T* p,
-                          T* dsum, T* u) {
-  for (int64_t j = 0; j < V; ++j) {
-    w[j] = T(0);
-    p[j] = T(0);
-    dsum[j] = T(0);
-  }
-  for (int64_t i = 0; i < K; ++i) {
-    const T* s1 = S1 + i * V;
-    const T* s0 = S0 + i * V;
-    T* di = D + i * V;
-    out.dq[i] = scale * dot(s1, d_o, V);
-    const T sq = scale * q[i], ki = k[i];
-    for (int64_t j = 0; j < V; ++j) {
-      const T dij = di[j] + sq * d_o[j];
-      di[j] = dij;
-      w[j] += ki * dij;
-      p[j] += ki * s0[j];
-      dsum[j] += dij * s0[j];
-    }
-  }
-  T d_s0 = 0, w_p = 0, dbeta = 0;
-  for (int64_t j = 0; j < V; ++j) {
-    d_s0 += dsum[j];
-    w_p += w[j] * p[j];
-    const T r = v[j] - alpha * p[j];
-    u[j] = beta * r;
-    dbeta += w[j] * r;
-    out.dv[j] = beta * w[j];
-  }
-  out.dbeta = dbeta;
-  out.dg = alpha * (d_s0 - beta * w_p);
-  // dk_i = D_i . u - alpha beta S0_i . w;  D_i <- alpha (D_i - beta k_i w)
-  const T ab = alpha * beta;
-  for (int64_t i = 0; i < K; ++i) {
-    T* di = D + i * V;
-    const T* s0 = S0 + i * V;
-    out.dk[i] = dot(di, u, V) - ab * dot(s0, w, V);
-    const T bk = beta * k[i];
-    for (int64_t j = 0; j < V; ++j) di[j] = alpha * (di[j] - bk * w[j]);
-  }
+struct UnitGrads {
+  T *dq, *dk, *dv, *dg, *dbeta;
+  T* dh0;  // or null
+};
+
+namespace base {
+#include "recurrent_kernels.inc"
+}  // namespace base
+
+#if GATED_DELTA_AVX2_DISPATCH
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+#include "recurrent_kernels.inc"
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+
+bool use_avx2() {
+#if GATED_DELTA_AVX2_DISPATCH
+  static const bool yes = [] {
+    const char* env = std::getenv("GATED_DELTA_CPU_ISA");
+    if (env != nullptr && std::strcmp(env, "base") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return yes;
+#else
+  return false;
+#endif
 }
 
 template <typename T>
-void load_state(T* S, const T* src, int64_t n) {
-  if (src != nullptr) {
-    std::memcpy(S, src, sizeof(T) * n);
-  } else {
-    std::memset(S, 0, sizeof(T) * n);
-  }
+UnitArgs<T> unit_args(const Problem& p, const Inputs<T>& in, const Unit& u) {
+  return UnitArgs<T>{u.len,
+                     p.K,
+                     p.V,
+                     in.q + p.qk_off(u),
+                     in.k + p.qk_off(u),
+                     in.v + p.v_off(u),
+                     in.g + p.gb_off(u),
+                     in.beta + p.gb_off(u),
+                     in.h0 ? in.h0 + p.state_off(u) : nullptr,
+                     static_cast<T>(p.scale)};
 }
 
 }  // namespace
 
 template <typename T>
 void recurrent_forward(const Problem& p, const Inputs<T>& in, T* o, T* ht) {
-  const int64_t K = p.K, V = p.V, KV = K * V;
-  const T scale = static_cast<T>(p.scale);
+  const int64_t KV = p.K * p.V;
   const auto order = p.units_longest_first();
+  const bool avx2 = use_avx2();
   parallel_items(
-      static_cast<int64_t>(order.size()), [&] { return std::vector<T>(KV + 2 * V); },
-      [&](std::vector<T>& ws, int64_t idx) {
+      static_cast<int64_t>(order.size()), [&] { return std::vector<T>(2 * KV + 2 * p.V); },
+      [&](std::vector<T>& work, int64_t idx) {
         const Unit& u = p.units[order[idx]];
-        T* S = ws.data();
-        T* acc = S + KV;
-        T* uu = acc + V;
-        load_state(S, in.h0 ? in.h0 + p.state_off(u) : nullptr, KV);
-        const T* q = in.q + p.qk_off(u);
-        const T* k = in.k + p.qk_off(u);
-        const T* v = in.v + p.v_off(u);
-        const T* g = in.g + p.gb_off(u);
-        const T* beta = in.beta + p.gb_off(u);
+        const UnitArgs<T> a = unit_args(p, in, u);
         T* ou = o + p.v_off(u);
-        for (int64_t t = 0; t < u.len; ++t) {
-          step_forward(S, S, K, V, q + t * K, k + t * K, v + t * V, std::exp(g[t]), beta[t], scale, ou + t * V,
-                       acc, uu);
-        }
-        if (ht != nullptr) std::memcpy(ht + p.state_off(u), S, sizeof(T) * KV);
+        T* hu = ht ? ht + p.state_off(u) : nullptr;
+#if GATED_DELTA_AVX2_DISPATCH
+        if (avx2) return avx2::unit_forward<T>(a, ou, hu, work.data());
+#endif
+        (void)avx2;
+        base::unit_forward<T>(a, ou, hu, work.data());
       });
 }
 
 template <typename T>
 void recurrent_backward(const Problem& p, const Inputs<T>& in, const T* d_o, const T* dht, const Grads<T>& gr) {
   const int64_t K = p.K, V = p.V, KV = K * V;
-  const T scale = static_cast<T>(p.scale);
   const auto order = p.units_longest_first();
+  const bool avx2 = use_avx2();
   struct Work {
     std::vector<T> checkpoints, seg, D, scratch;
   };
@@ -169,63 +119,31 @@ void recurrent_backward(const Problem& p, const Inputs<T>& in, const T* d_o, con
       static_cast<int64_t>(order.size()),
       [&] {
         Work w;
-        w.seg.resize((kSegment + 1) * KV);
         w.D.resize(KV);
         w.scratch.resize(4 * V);
         return w;
       },
       [&](Work& w, int64_t idx) {
         const Unit& u = p.units[order[idx]];
-        const T* q = in.q + p.qk_off(u);
-        const T* k = in.k + p.qk_off(u);
-        const T* v = in.v + p.v_off(u);
-        const T* g = in.g + p.gb_off(u);
-        const T* beta = in.beta + p.gb_off(u);
-        const T* dou = d_o + p.v_off(u);
-        T* s0 = w.scratch.data();
-        T* s1 = s0 + V;
-        T* s2 = s1 + V;
-        T* s3 = s2 + V;
-        const int64_t nseg = (u.len + kSegment - 1) / kSegment;
-        // Forward pass: the state entering every segment.
+        const int64_t L = seg_len(u.len), nseg = (u.len + L - 1) / L;
         if (static_cast<int64_t>(w.checkpoints.size()) < std::max<int64_t>(nseg, 1) * KV) {
           w.checkpoints.resize(std::max<int64_t>(nseg, 1) * KV);
         }
-        T* S = w.seg.data();
-        load_state(S, in.h0 ? in.h0 + p.state_off(u) : nullptr, KV);
-        for (int64_t s = 0; s < nseg; ++s) {
-          std::memcpy(w.checkpoints.data() + s * KV, S, sizeof(T) * KV);
-          const int64_t t1 = std::min(u.len, (s + 1) * kSegment);
-          for (int64_t t = s * kSegment; t < t1; ++t) {
-            step_forward<T>(S, S, K, V, nullptr, k + t * K, v + t * V, std::exp(g[t]), beta[t], scale, nullptr, s0,
-                            s1);
-          }
+        if (static_cast<int64_t>(w.seg.size()) < (L + 1) * KV) w.seg.resize((L + 1) * KV);
+        const UnitArgs<T> a = unit_args(p, in, u);
+        const UnitGrads<T> g{gr.dq + p.dqk_off(u), gr.dk + p.dqk_off(u), gr.dv + p.v_off(u),
+                             gr.dg + p.gb_off(u),  gr.dbeta + p.gb_off(u), gr.dh0 ? gr.dh0 + p.state_off(u) : nullptr};
+        const T* dou = d_o + p.v_off(u);
+        const T* dhu = dht ? dht + p.state_off(u) : nullptr;
+#if GATED_DELTA_AVX2_DISPATCH
+        if (avx2) {
+          return avx2::unit_backward<T>(a, L, dou, dhu, g, w.checkpoints.data(), w.seg.data(), w.D.data(),
+                                        w.scratch.data());
         }
-        // Backward, segment by segment from the end.
-        T* D = w.D.data();
-        load_state(D, dht ? dht + p.state_off(u) : nullptr, KV);
-        for (int64_t s = nseg - 1; s >= 0; --s) {
-          const int64_t t0 = s * kSegment, t1 = std::min(u.len, (s + 1) * kSegment);
-          T* St = w.seg.data();
-          std::memcpy(St, w.checkpoints.data() + s * KV, sizeof(T) * KV);
-          for (int64_t t = t0; t < t1; ++t) {
-            const int64_t l = t - t0;
-            step_forward<T>(St + l * KV, St + (l + 1) * KV, K, V, nullptr, k + t * K, v + t * V, std::exp(g[t]),
-                            beta[t], scale, nullptr, s0, s1);
-          }
-          for (int64_t t = t1 - 1; t >= t0; --t) {
-            const int64_t l = t - t0;
-            StepGrads<T> sg;
-            sg.dq = gr.dq + p.dqk_off(u) + t * K;
-            sg.dk = gr.dk + p.dqk_off(u) + t * K;
-            sg.dv = gr.dv + p.v_off(u) + t * V;
-            step_backward(St + l * KV, St + (l + 1) * KV, D, K, V, q + t * K, k + t * K, v + t * V, std::exp(g[t]),
-                          beta[t], scale, dou + t * V, sg, s0, s1, s2, s3);
-            gr.dg[p.gb_off(u) + t] = sg.dg;
-            gr.dbeta[p.gb_off(u) + t] = sg.dbeta;
-          }
-        }
-        if (gr.dh0 != nullptr) std::memcpy(gr.dh0 + p.state_off(u), D, sizeof(T) * KV);
+#endif
+        (void)avx2;
+        base::unit_backward<T>(a, L, dou, dhu, g, w.checkpoints.data(), w.seg.data(), w.D.data(),
+                               w.scratch.data());
       });
 }
 
