@@ -44,11 +44,13 @@ def _gencode_flags():
 def _extensions():
     rel = lambda paths: sorted(os.path.relpath(p, ROOT) for p in paths)  # noqa: E731
     sources = rel(glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
-    cxx = ["-O3", "-std=c++17", "-fopenmp", "-DGATED_DELTA_PYTHON_MODULE"]
+    # The C++ standard is left to torch.utils.cpp_extension, which matches the one torch was built with (C++20):
+    # mixing standards across the torch headers breaks the one-definition rule.
+    cxx = ["-O3", "-fopenmp", "-DGATED_DELTA_PYTHON_MODULE"]
     define_macros = [("Py_LIMITED_API", "0x03090000")]
     if _want_cuda():
         sources += rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")) + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
-        nvcc = ["-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr", "-lineinfo",
+        nvcc = ["-O3", "--use_fast_math", "--expt-relaxed-constexpr", "-lineinfo",
                 "-DGATED_DELTA_WITH_CUDA"] + _gencode_flags()
         return [CUDAExtension("gated_delta._C", sources,
                               extra_compile_args={"cxx": cxx + ["-DGATED_DELTA_WITH_CUDA"], "nvcc": nvcc},

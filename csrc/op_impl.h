@@ -167,8 +167,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   if (use_gate) {
     // g = -exp(A_log) softplus(g_raw + dt_bias)
     auto dgx = dg * at::sigmoid(p.gate_arg) * at::exp(A_log->to(sd)).neg();
-    dA_log = (dg * p.core.g).sum({0, 1}).to(A_log->scalar_type());
-    ddt_bias = dgx.sum({0, 1}).to(dt_bias->scalar_type());
+    dA_log = (dg * p.core.g).sum(at::IntArrayRef{0, 1}).to(A_log->scalar_type());
+    ddt_bias = dgx.sum(at::IntArrayRef{0, 1}).to(dt_bias->scalar_type());
     dg = dgx;
   } else {
     dA_log = empty_grad(q);

@@ -53,16 +53,19 @@ def gated_delta_rule_ref(
     else:
         cu = cu_seqlens.tolist()
         bounds = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+    # Unbind the time axis once, so that autograd through the loop stays linear in T.
+    qs, ks, vs, gs, bs = (x.unbind(1) for x in (q, k, v, g, beta))
     rows = [[None] * T for _ in range(B)]
     finals = []
     for n, (b, start, end) in enumerate(bounds):
         S = (initial_state[n].to(cd) if initial_state is not None
              else torch.zeros(HV, K, V, dtype=cd, device=q.device))
         for t in range(start, end):
-            S = S * g[b, t].exp()[:, None, None]
-            u = beta[b, t][:, None] * (v[b, t] - torch.einsum("hkv,hk->hv", S, k[b, t]))
-            S = S + k[b, t][:, :, None] * u[:, None, :]
-            rows[b][t] = scale * torch.einsum("hkv,hk->hv", S, q[b, t])
+            q_t, k_t, v_t, g_t, b_t = qs[t][b], ks[t][b], vs[t][b], gs[t][b], bs[t][b]
+            S = S * g_t.exp()[:, None, None]
+            u = b_t[:, None] * (v_t - torch.einsum("hkv,hk->hv", S, k_t))
+            S = S + k_t[:, :, None] * u[:, None, :]
+            rows[b][t] = scale * torch.einsum("hkv,hk->hv", S, q_t)
         finals.append(S)
     if T == 0:
         o = v.new_zeros(B, 0, HV, V)
