@@ -1,0 +1,203 @@
+// CUDA kernel of the fused decode step of the gated delta rule: for T (few) new tokens against a cached fp32
+// state S [B, HV, K, V], updated in place. Per token (q, k L2-normalised, g = -exp(A_log) softplus(a + dt_bias),
+// alpha = exp(g), beta = sigmoid(b), x2 with allow_neg_eigval):
+//   u = beta (v - alpha S^T k);   o = scale (alpha S^T q + u (k . q));   S <- alpha S + k u^T
+// Both reductions read the state before the update, so the state is read once and written once.
+//
+// Decode is memory-bound (each (b, hv) state is K*V*4 bytes, 64 KB at K = V = 128, against ~1 KB of inputs), so
+// the grid splits V into 32-column tiles: block (v tile, hv, b) of 128 threads = 8 column threads (4 columns
+// each, one float4) x 16 row threads (K / 16 rows each, strided by 16, so a warp reads 4 full 128-byte rows).
+// The state tile stays in registers across the T tokens; the column sums over K reduce with warp shuffles and
+// one shared-memory step across the 4 warps.
+#include "layer_common.cuh"
+
+namespace gated_delta {
+namespace layer_cuda {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kColThreads = 8;
+constexpr int kRowThreads = kThreads / kColThreads;  // 16
+constexpr int kWarps = kThreads / 32;                 // 4
+constexpr int kTileV = kColThreads * 4;               // 32 columns per block
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over the 4 row threads of a warp that share a column thread (lanes tx, tx + 8, tx + 16, tx + 24).
+__device__ __forceinline__ float rows_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 8);
+  v += __shfl_xor_sync(0xffffffffu, v, 16);
+  return v;
+}
+
+__device__ __forceinline__ float4 rows_sum(float4 v) {
+  return make_float4(rows_sum(v.x), rows_sum(v.y), rows_sum(v.z), rows_sum(v.w));
+}
+
+template <class T, int K>
+__global__ void __launch_bounds__(kThreads) decode_step_kernel(DecodeParams p) {
+  static_assert(K % kRowThreads == 0, "K must be a multiple of 16");
+  constexpr int RPT = K / kRowThreads;  // rows per thread
+  const int tid = threadIdx.x, tx = tid % kColThreads, ty = tid / kColThreads;
+  const int warp = tid / 32, lane = tid % 32;
+  const int64_t hv = blockIdx.y, b = blockIdx.z;
+  const int64_t h = hv / (p.HV / p.H);
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileV + tx * 4;  // this thread's 4 columns
+  const bool active = c0 < p.V;  // V % 4 == 0: the 4 columns are in range together
+
+  float* S = p.state + (b * p.HV + hv) * static_cast<int64_t>(K) * p.V;
+  float4 s[RPT];
+#pragma unroll
+  for (int i = 0; i < RPT; ++i) {
+    const int r = ty + kRowThreads * i;
+    s[i] = active ? *reinterpret_cast<const float4*>(S + r * p.V + c0) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+
+  __shared__ float q_sh[K], k_sh[K];
+  __shared__ float norm_part[kWarps][3];
+  __shared__ float4 sk_part[kWarps][kColThreads], sq_part[kWarps][kColThreads];
+
+  const float neg_A = -__expf(load_as_float(p.A_log, p.A_dtype, hv));
+  const float dt_bias = load_as_float(p.dt_bias, p.dt_dtype, hv);
+  const T* q = static_cast<const T*>(p.q);
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  T* o = static_cast<T*>(p.o);
+
+  for (int64_t t = 0; t < p.T; ++t) {
+    const int64_t tok = b * p.T + t;
+    __syncthreads();  // the previous token's shared-memory reads are done
+
+    // q, k of this head into shared memory, with |q|^2, |k|^2, q.k
+    float qq = 0.f, kk = 0.f, qk = 0.f;
+    for (int i = tid; i < K; i += kThreads) {
+      const float qv = to_float(q[(tok * p.H + h) * K + i]);
+      const float kv = to_float(k[(tok * p.H + h) * K + i]);
+      q_sh[i] = qv;
+      k_sh[i] = kv;
+      qq += qv * qv;
+      kk += kv * kv;
+      qk += qv * kv;
+    }
+    qq = warp_sum(qq);
+    kk = warp_sum(kk);
+    qk = warp_sum(qk);
+    if (lane == 0) {
+      norm_part[warp][0] = qq;
+      norm_part[warp][1] = kk;
+      norm_part[warp][2] = qk;
+    }
+    __syncthreads();
+    qq = kk = qk = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      qq += norm_part[w][0];
+      kk += norm_part[w][1];
+      qk += norm_part[w][2];
+    }
+    const float rq = rsqrtf(qq + 1e-6f), rk = rsqrtf(kk + 1e-6f);
+    const float qk_unit = qk * rq * rk;
+
+    const float ga = load_as_float(p.a, p.a_dtype, tok * p.HV + hv) + dt_bias;
+    const float softplus = ga > 20.f ? ga : log1pf(__expf(ga));
+    const float alpha = __expf(neg_A * softplus);
+    float beta = sigmoidf_(load_as_float(p.b, p.b_dtype, tok * p.HV + hv));
+    if (p.allow_neg_eigval) beta *= 2.f;
+
+    // column sums over K of S k and S q (the state before this token's update)
+    float kr[RPT];
+    float4 pk = make_float4(0.f, 0.f, 0.f, 0.f), pq = pk;
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int r = ty + kRowThreads * i;
+      kr[i] = k_sh[r] * rk;
+      const float qr = q_sh[r] * rq;
+      pk.x += s[i].x * kr[i];
+      pk.y += s[i].y * kr[i];
+      pk.z += s[i].z * kr[i];
+      pk.w += s[i].w * kr[i];
+      pq.x += s[i].x * qr;
+      pq.y += s[i].y * qr;
+      pq.z += s[i].z * qr;
+      pq.w += s[i].w * qr;
+    }
+    pk = rows_sum(pk);
+    pq = rows_sum(pq);
+    if (lane < kColThreads) {
+      sk_part[warp][tx] = pk;
+      sq_part[warp][tx] = pq;
+    }
+    __syncthreads();
+    float4 sk = sk_part[0][tx], sq = sq_part[0][tx];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) {
+      const float4 a = sk_part[w][tx], c = sq_part[w][tx];
+      sk.x += a.x; sk.y += a.y; sk.z += a.z; sk.w += a.w;
+      sq.x += c.x; sq.y += c.y; sq.z += c.z; sq.w += c.w;
+    }
+
+    float4 u = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (active) {
+      const T* vr = v + (tok * p.HV + hv) * p.V + c0;
+      u.x = beta * (to_float(vr[0]) - alpha * sk.x);
+      u.y = beta * (to_float(vr[1]) - alpha * sk.y);
+      u.z = beta * (to_float(vr[2]) - alpha * sk.z);
+      u.w = beta * (to_float(vr[3]) - alpha * sk.w);
+      if (ty == 0) {
+        T* orow = o + (tok * p.HV + hv) * p.V + c0;
+        orow[0] = from_float<T>(p.scale * (alpha * sq.x + u.x * qk_unit));
+        orow[1] = from_float<T>(p.scale * (alpha * sq.y + u.y * qk_unit));
+        orow[2] = from_float<T>(p.scale * (alpha * sq.z + u.z * qk_unit));
+        orow[3] = from_float<T>(p.scale * (alpha * sq.w + u.w * qk_unit));
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      s[i].x = alpha * s[i].x + kr[i] * u.x;
+      s[i].y = alpha * s[i].y + kr[i] * u.y;
+      s[i].z = alpha * s[i].z + kr[i] * u.z;
+      s[i].w = alpha * s[i].w + kr[i] * u.w;
+    }
+  }
+
+  if (active) {
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int r = ty + kRowThreads * i;
+      *reinterpret_cast<float4*>(S + r * p.V + c0) = s[i];
+    }
+  }
+}
+
+template <class T, int K>
+cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
+  dim3 grid(static_cast<unsigned>((p.V + kTileV - 1) / kTileV), static_cast<unsigned>(p.HV),
+            static_cast<unsigned>(p.B));
+  decode_step_kernel<T, K><<<grid, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool decode_supports_head_k(int64_t K) { return K == 16 || K == 32 || K == 64 || K == 128 || K == 256; }
+
+cudaError_t decode_step(const DecodeParams& p, cudaStream_t stream) {
+  if (!decode_supports_head_k(p.K) || p.V % kDecodeVMultiple != 0) return cudaErrorInvalidValue;
+  if (p.B == 0 || p.T == 0) return cudaSuccess;
+  return LAYER_DTYPE_SWITCH(p.dtype, T, [&] {
+    switch (p.K) {
+      case 16: return launch<T, 16>(p, stream);
+      case 32: return launch<T, 32>(p, stream);
+      case 64: return launch<T, 64>(p, stream);
+      case 128: return launch<T, 128>(p, stream);
+      default: return launch<T, 256>(p, stream);
+    }
+  });
+}
+
+}  // namespace layer_cuda
+}  // namespace gated_delta
