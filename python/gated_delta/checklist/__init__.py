@@ -3,11 +3,15 @@
 Each check takes a Config and returns a Result (PASS, FAIL or SKIP with its figures on one line, markdown details
 and plots for the report)."""
 from .common import FAIL, PASS, SKIP, Config, Result
+from .numerics import check_amp, check_determinism, check_grads
 from .perf import check_batch, check_seqlen
 
 CHECKS = {
     "seqlen": check_seqlen,
     "batch": check_batch,
+    "grads": check_grads,
+    "amp": check_amp,
+    "determinism": check_determinism,
 }
 
 __all__ = ["CHECKS", "Config", "Result", "PASS", "FAIL", "SKIP"]
