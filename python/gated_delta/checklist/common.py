@@ -137,11 +137,11 @@ def op_inputs(shape: Shape, dtype: torch.dtype, device: str, requires_grad: bool
               seed: int = 0) -> Dict[str, torch.Tensor]:
     """Typical inputs of a Gated DeltaNet layer: raw q, k (normalised in the kernel), v, a log decay g < 0 and
     beta in (0, 1)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     s = shape
 
-    def rand(*size, fn=None):
-        x = torch.randn(*size, generator=gen)
+    def rand(*size, fn=None):  # drawn on the device: a million-token input is not made on the host
+        x = torch.randn(*size, generator=gen, device=device)
         return fn(x) if fn else x
 
     tensors = dict(

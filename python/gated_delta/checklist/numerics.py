@@ -58,27 +58,27 @@ def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _ref_fwd_bwd(inputs, options, d_o, d_ht):
-    """The float64 reference loop on the CPU with the same (already rounded) inputs."""
+def float64_reference(inputs, options, seed: int = 1) -> dict:
+    """Random cotangents (rounded to the output dtypes) and the float64 reference loop's output, final state and
+    gradients on the CPU, from the same (already rounded) inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    d_o = torch.randn(inputs["v"].shape, generator=gen).to(inputs["v"].dtype)
+    d_ht = torch.randn(inputs["initial_state"].shape, generator=gen).to(inputs["initial_state"].dtype)
     ref_inputs = {k: x.detach().double().cpu().requires_grad_(True) for k, x in inputs.items()}
     ref_options = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in options.items()
                    if k not in ("chunk_size", "algorithm")}
     o, ht = gated_delta_rule_ref(**ref_inputs, **ref_options)
-    torch.autograd.backward([o, ht], [d_o.double().cpu(), d_ht.double().cpu()])
-    return o, ht, {k: x.grad for k, x in ref_inputs.items()}
+    torch.autograd.backward([o, ht], [d_o.double(), d_ht.double()])
+    return dict(d_o=d_o, d_ht=d_ht, o=o, final_state=ht, grads={k: x.grad for k, x in ref_inputs.items()})
 
 
-def compare_to_reference(inputs, options, seed: int = 1) -> Dict[str, float]:
-    """Relative errors of the output, final state and every gradient against the float64 reference loop."""
-    gen = torch.Generator().manual_seed(seed)
+def compare_to_reference(inputs, options, ref: dict) -> Dict[str, float]:
+    """Relative errors of the op's output, final state and every gradient against float64_reference()."""
     o, ht = gated_delta.gated_delta_rule(**inputs, **options)
-    d_o = torch.randn(o.shape, generator=gen).to(o)
-    d_ht = torch.randn(ht.shape, generator=gen).to(ht)
-    grads = torch.autograd.grad([o, ht], list(inputs.values()), [d_o, d_ht])
-    ref_o, ref_ht, ref_grads = _ref_fwd_bwd(inputs, options, d_o, d_ht)
-    errors = {"o": relative_error(o, ref_o), "final_state": relative_error(ht, ref_ht)}
+    grads = torch.autograd.grad([o, ht], list(inputs.values()), [ref["d_o"].to(o.device), ref["d_ht"].to(ht.device)])
+    errors = {"o": relative_error(o, ref["o"]), "final_state": relative_error(ht, ref["final_state"])}
     for name, grad in zip(inputs, grads):
-        errors["d" + name] = relative_error(grad, ref_grads[name])
+        errors["d" + name] = relative_error(grad, ref["grads"][name])
     return errors
 
 
@@ -124,10 +124,11 @@ def check_grads(cfg: Config) -> Result:
     rows, worst = [], {}
     columns = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state", "dA_log", "ddt_bias"]
     for dtype in dtypes:
-        for algorithm in ALGORITHMS:
-            for fused in (False, True):
-                inputs, options = full_inputs(shape, dtype, cfg.device, fused)
-                errors = compare_to_reference(inputs, dict(options, algorithm=algorithm))
+        for fused in (False, True):
+            inputs, options = full_inputs(shape, dtype, cfg.device, fused)
+            ref = float64_reference(inputs, options)
+            for algorithm in ALGORITHMS:
+                errors = compare_to_reference(inputs, dict(options, algorithm=algorithm), ref)
                 tol = GRAD_TOLERANCE[dtype]
                 name = f"{str(dtype).replace('torch.', '')} {algorithm} {'fused' if fused else 'plain'}"
                 bad = {k: e for k, e in errors.items() if not e <= tol}
