@@ -170,6 +170,12 @@ def fwd_bwd(inputs: Dict[str, torch.Tensor], d_o: Optional[torch.Tensor] = None,
     return o, ht, grads
 
 
+def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref||, in float64 on the CPU."""
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
 def save_plot(cfg: Config, filename: str, draw: Callable) -> Optional[str]:
     """Draws with draw(ax) into cfg.out/filename (PNG); returns the file name, or None without matplotlib."""
     try:

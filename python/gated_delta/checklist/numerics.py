@@ -5,18 +5,16 @@ import torch
 import torch.nn as nn
 
 import gated_delta
+from gated_delta import ALGORITHMS
 from gated_delta.reference import gated_delta_rule_ref
 
-from .common import (FAIL, PASS, SKIP, Config, Result, Shape, fwd_bwd, md_table, op_inputs, save_plot,
-                     state_dtype, torch_threads)
-
-ALGORITHMS = ("recurrent", "chunk", "scan", "auto")
+from .common import (FAIL, PASS, SKIP, Config, Result, Shape, fwd_bwd, md_table, op_inputs, relative_error,
+                     save_plot, state_dtype, torch_threads)
 
 # Largest relative error ||x - ref|| / ||ref|| accepted for the output and each gradient, by input dtype.
 GRAD_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
-# The two option sets every numerical check covers: plain inputs, and every pre-processing fused in the kernel.
-PLAIN = dict()
+# Every pre-processing fused in the kernel: the second option set of the numerical checks (beside plain inputs).
 FUSED = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
              use_gate_in_kernel=True)
 
@@ -34,7 +32,8 @@ def full_inputs(shape: Shape, dtype: torch.dtype, device: str, fused: bool, seed
         assert shape.B == 1
         cuts = torch.randint(0, shape.T + 1, (n_seqs - 1,), generator=gen).sort().values.tolist()
         bounds = [0] + cuts + [shape.T]
-        bounds[1] = 0 if n_seqs > 1 else bounds[1]  # the first sequence is empty
+        if n_seqs > 1:
+            bounds[1] = 0  # the first sequence is empty
         options["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32, device=device)
         N = n_seqs
     if fused:
@@ -51,11 +50,6 @@ def full_inputs(shape: Shape, dtype: torch.dtype, device: str, fused: bool, seed
     for x in inputs.values():
         x.requires_grad_(True)
     return inputs, options
-
-
-def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def float64_reference(inputs, options, seed: int = 1) -> dict:
@@ -139,8 +133,8 @@ def check_grads(cfg: Config) -> Result:
                 rows.append([name] + [f"{errors[k]:.1e}" if k in errors else "-" for k in columns])
     header = ["dtype / algorithm / options"] + columns
     status = FAIL if failures else PASS
-    summary = (f"gradcheck{' (fast)' if cfg.quick else ''} float64 CPU {gradchecks}/{len(ALGORITHMS) * 4} ok; max rel err vs float64 on "
-               f"{cfg.device}: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+    summary = (f"gradcheck{' (fast)' if cfg.quick else ''} float64 CPU {gradchecks}/{len(ALGORITHMS) * 4} ok; "
+               f"max rel err vs float64 on {cfg.device}: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
     if failures:
         summary += f"; {len(failures)} failure(s): {failures[0]}"
     details = (f"(a) `torch.autograd.gradcheck`{' (fast mode)' if cfg.quick else ''} in float64 on the CPU, shapes "

@@ -143,14 +143,21 @@ def check_batch(cfg: Config) -> Result:
     status = FAIL if drops or stop else PASS
     shape_txt = f"T={T} H={dims['H']} HV={dims['HV']} K={dims['K']} V={dims['V']} {str(dtype).replace('torch.', '')}"
     curve = ", ".join(f"B={B}: {fmt_rate(r[0])}" for B, r in rows.items())
-    summary = f"{shape_txt}{'' if cfg.cuda else ', 1 thread'}; tok/s {curve}" + (f"; drops: {'; '.join(drops)}" if drops else "; no drop") + (
-        f"; stopped: {stop}" if stop else "")
+    summary = (f"{shape_txt}{'' if cfg.cuda else ', 1 thread'}; tok/s {curve}; "
+               + (f"drops: {'; '.join(drops)}" if drops else "no drop") + (f"; stopped: {stop}" if stop else ""))
     mem_label = "peak allocated" if cfg.cuda else "process RSS"
-    plot = save_plot(cfg, "batch.png", lambda ax: (
-        ax.semilogx(list(rows), [r[0] for r in rows.values()], "o-"), ax.set_xscale("log", base=2),
-        ax.set_xlabel("batch size B"), ax.set_ylabel("tokens/s (fwd+bwd)"), ax.set_title(f"batch sweep, {shape_txt}")))
+
+    def draw(ax):
+        ax.semilogx(list(rows), [r[0] for r in rows.values()], "o-")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size B")
+        ax.set_ylabel("tokens/s (fwd+bwd)")
+        ax.set_title(f"batch sweep, {shape_txt}")
+
+    plot = save_plot(cfg, "batch.png", draw)
     details = (f"Forward + backward of the op, {shape_txt}. A drop is a batch size whose throughput falls below "
                f"{BATCH_DROP:g} x that of a smaller batch size (confirmed by a second measurement). Timing: "
                f"{_timing(cfg)}.\n\n"
-               + md_table(["B", "tokens/s", mem_label], [[B, fmt_rate(r[0]), fmt_bytes(r[1])] for B, r in rows.items()]))
+               + md_table(["B", "tokens/s", mem_label],
+                          [[B, fmt_rate(r[0]), fmt_bytes(r[1])] for B, r in rows.items()]))
     return Result("batch", status, summary, details, [p for p in [plot] if p])

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 import gated_delta
 
-from .common import (FAIL, PASS, SKIP, Config, Result, fastest_seconds, fmt_bytes, md_table, rss_bytes, save_plot,
-                     synchronize)
+from .common import (FAIL, PASS, SKIP, Config, Result, fastest_seconds, fmt_bytes, md_table, relative_error,
+                     rss_bytes, save_plot, synchronize)
 
 ALLOCATOR_MIN_RATIO = 0.85  # peak active bytes / peak reserved bytes over a loop of varying sequence lengths
 CUDA_DRIFT_BYTES = 1 << 20  # allocated bytes may not grow more than this over a soak run
@@ -113,12 +113,10 @@ def _ddp_worker(rank: int, world: int, port: int, backend: str, device_kind: str
 
 
 def _max_relative_error(grads, ref):
-    worst, name = 0.0, None
-    for n, r in ref.items():
-        err = ((grads[n].double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)).item()
-        if not err <= worst:
-            worst, name = err, n
-    return worst, name
+    """The largest relative error over the parameters, and that parameter's name."""
+    errors = {n: relative_error(grads[n], r) for n, r in ref.items()}
+    name = max(errors, key=lambda n: math.inf if math.isnan(errors[n]) else errors[n])
+    return errors[name], name
 
 
 def check_ddp(cfg: Config) -> Result:
@@ -157,9 +155,8 @@ def check_ddp(cfg: Config) -> Result:
                f"over {world} processes ({where}) against one process on the whole batch from the same weights. "
                "Times are the fastest of 5: the all-reduce of a flat buffer of every gradient, the forward of one "
                "process's shard, and a whole DDP step (forward, backward, overlapped all-reduce).\n\n"
-               + md_table(["parameter", "rel err"],
-                          [[n, f"{_max_relative_error({n: ranks[0]['grads'][n]}, {n: g})[0]:.1e}"]
-                           for n, g in ranks[0]["single_grads"].items()]))
+               + md_table(["parameter", "rel err"], [[n, f"{relative_error(ranks[0]['grads'][n], g):.1e}"]
+                                                     for n, g in ranks[0]["single_grads"].items()]))
     return Result("ddp", PASS if ok else FAIL, summary, details)
 
 
