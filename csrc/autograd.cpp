@@ -68,6 +68,7 @@ class GatedDeltaRuleFunction : public torch::autograd::Function<GatedDeltaRuleFu
     ctx->saved_data["flags"] = std::vector<bool>{l2norm, sig, neg, gate};
     ctx->saved_data["algorithm"] = std::string(algorithm);
     ctx->saved_data["chunk_size"] = chunk_size;
+    ctx->saved_data["output_final_state"] = output_final_state;
     if (!output_final_state) ctx->mark_non_differentiable({ht});
     return {o, ht};
   }
@@ -83,7 +84,9 @@ class GatedDeltaRuleFunction : public torch::autograd::Function<GatedDeltaRuleFu
     const int64_t chunk_size = ctx->saved_data["chunk_size"].toInt();
 
     at::Tensor d_o = grads[0].defined() ? grads[0] : at::zeros_like(v);
-    OptTensor dht = grads[1].defined() && grads[1].numel() > 0 ? OptTensor(grads[1]) : c10::nullopt;
+    // Decided by the flag, not by the gradient's size: sizes are symbolic under torch.compile.
+    const bool output_final_state = ctx->saved_data["output_final_state"].toBool();
+    OptTensor dht = output_final_state && grads[1].defined() ? OptTensor(grads[1]) : c10::nullopt;
     auto [dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias] =
         call_bwd(d_o, dht, q, k, v, g, beta, scale, h0, cu, cu_cpu, flags[0], flags[1], flags[2], flags[3], A_log,
                  dt_bias, algorithm, chunk_size);

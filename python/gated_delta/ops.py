@@ -65,9 +65,10 @@ def gated_delta_rule(
     """
     _check_python_args(scale, algorithm, chunk_size, output_final_state)
     if scale is None:
-        if not isinstance(q, torch.Tensor) or q.dim() != 4:
-            raise ValueError(f"q must be a tensor of shape [B, T, H, K], got "
-                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor of shape [B, T, H, K], got {type(q).__name__}")
+        if q.dim() != 4:
+            raise ValueError(f"q must have shape [B, T, H, K] (4 dimensions), got {list(q.shape)}")
         scale = q.shape[-1] ** -0.5
     o, final_state = torch.ops.gated_delta.fwd(
         q, k, v, g, beta, float(scale), initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,

@@ -1,0 +1,400 @@
+// Device building blocks of the CUDA kernels: storage types, cp.async tile loads, tensor-core fragments
+// (mma.sync m16n8k16 with fp32 accumulation) and their shared-memory loaders, chunk / unit lookup, and the
+// blockwise inverse of the unit lower-triangular (I + M).
+//
+// Storage type St (inputs and intermediates) selects the matrix operand type:
+//   __nv_bfloat16 -> bf16 operands, __half -> fp16 operands, float -> "split" operands: x = hi + lo with hi, lo bf16,
+//   a product is hi*hi + hi*lo + lo*hi (three bf16 mma, about 16 bits of mantissa), so fp32 inputs keep ~1e-5.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16, g = lane / 4, q = lane % 4):
+//   A (16x16, row-major):  x0 = A[g][2q..2q+1], x1 = A[g+8][2q..], x2 = A[g][2q+8..], x3 = A[g+8][2q+8..]
+//   B (16x8):              x0 = B[2q..2q+1][g], x1 = B[2q+8..2q+9][g]
+//   C (16x8, fp32):        c0,c1 = C[g][2q..2q+1], c2,c3 = C[g+8][2q..2q+1]
+// Two adjacent C tiles (n = 0..7, 8..15) are exactly one A fragment of a product that contracts over n.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <mutex>
+#include <set>
+#include <type_traits>
+#include <utility>
+
+#include "params.h"
+
+namespace gated_delta {
+namespace cuda {
+
+constexpr int C = kChunk;
+
+// Raises a kernel's dynamic shared-memory limit once per device (cheap and outside any stream capture afterwards).
+inline cudaError_t set_max_smem(const void* kernel, size_t bytes) {
+  static std::mutex mu;
+  static std::set<std::pair<const void*, int>> done;
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count({kernel, dev})) return cudaSuccess;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (e == cudaSuccess) done.insert({kernel, dev});
+  return e;
+}
+
+// ---- storage type helpers ----
+template <class St> struct PadOf { static constexpr int value = 16 / sizeof(St); };  // one 16-byte vector
+
+template <class St> __device__ __forceinline__ float to_f(St x);
+template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <> __device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_f<float>(float x) { return x; }
+
+template <class St> __device__ __forceinline__ St from_f(float x);
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+
+// store two consecutive elements
+template <class St> __device__ __forceinline__ void st2(St* p, float a, float b);
+template <> __device__ __forceinline__ void st2<__nv_bfloat16>(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+template <> __device__ __forceinline__ void st2<__half>(__half* p, float a, float b) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
+template <> __device__ __forceinline__ void st2<float>(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- cp.async ----
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const int n = valid ? 16 : 0;  // src-size 0: zero fill, nothing read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Copies a ROWS x COLS tile (row r from g + r * gstride) into shared memory with leading dimension ld;
+// rows >= rows_valid are zero-filled. COLS * sizeof(St) must be a multiple of 16 and g 16-byte aligned.
+template <class St, int ROWS, int COLS, int NT>
+__device__ __forceinline__ void load_tile(St* s, int ld, const St* g, int64_t gstride, int rows_valid, int tid) {
+  constexpr int EPV = 16 / sizeof(St);
+  constexpr int VPR = COLS / EPV;
+#pragma unroll 4
+  for (int i = tid; i < ROWS * VPR; i += NT) {
+    const int r = i / VPR, cv = i % VPR;
+    const bool ok = r < rows_valid;
+    const St* src = g + (ok ? static_cast<int64_t>(r) * gstride : 0) + cv * EPV;
+    cp_async16(s + r * ld + cv * EPV, src, ok);
+  }
+}
+
+// ---- mma ----
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma_f16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t pack_f16(float a, float b) {
+  __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ float2 unpack_bf16(uint32_t u) {
+  __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&u);
+  return __bfloat1622float2(v);
+}
+__device__ __forceinline__ float2 unpack_f16(uint32_t u) {
+  __half2 v = *reinterpret_cast<__half2*>(&u);
+  return __half22float2(v);
+}
+
+template <class St> struct FragA { uint32_t x[4]; };
+template <> struct FragA<float> { uint32_t hi[4], lo[4]; };
+template <class St> struct FragB { uint32_t x[2]; };
+template <> struct FragB<float> { uint32_t hi[2], lo[2]; };
+
+// a pair of floats into one operand register (and its low part for the split type)
+template <class St> struct Pack;
+template <> struct Pack<__nv_bfloat16> {
+  static __device__ __forceinline__ void put(uint32_t* x, uint32_t*, int i, float a, float b) { x[i] = pack_bf16(a, b); }
+};
+template <> struct Pack<__half> {
+  static __device__ __forceinline__ void put(uint32_t* x, uint32_t*, int i, float a, float b) { x[i] = pack_f16(a, b); }
+};
+template <> struct Pack<float> {
+  static __device__ __forceinline__ void put(uint32_t* hi, uint32_t* lo, int i, float a, float b) {
+    const uint32_t h = pack_bf16(a, b);
+    const float2 hf = unpack_bf16(h);
+    hi[i] = h;
+    lo[i] = pack_bf16(a - hf.x, b - hf.y);
+  }
+};
+
+template <class St> __device__ __forceinline__ void mma(float c[4], const FragA<St>& a, const FragB<St>& b);
+template <> __device__ __forceinline__ void mma<__nv_bfloat16>(float c[4], const FragA<__nv_bfloat16>& a,
+                                                               const FragB<__nv_bfloat16>& b) {
+  mma_bf16(c, a.x, b.x);
+}
+template <> __device__ __forceinline__ void mma<__half>(float c[4], const FragA<__half>& a, const FragB<__half>& b) {
+  mma_f16(c, a.x, b.x);
+}
+template <> __device__ __forceinline__ void mma<float>(float c[4], const FragA<float>& a, const FragB<float>& b) {
+  mma_bf16(c, a.lo, b.hi);
+  mma_bf16(c, a.hi, b.lo);
+  mma_bf16(c, a.hi, b.hi);
+}
+
+// A fragment from two adjacent fp32 C tiles c0 (n 0..7) and c1 (n 8..15), each entry times f
+template <class St>
+__device__ __forceinline__ FragA<St> frag_a_from_c(const float c0[4], const float c1[4], float f = 1.f) {
+  FragA<St> a;
+  uint32_t* x;
+  uint32_t* y;
+  if constexpr (sizeof(St) == 4) { x = a.hi; y = a.lo; } else { x = a.x; y = a.x; }
+  Pack<St>::put(x, y, 0, c0[0] * f, c0[1] * f);
+  Pack<St>::put(x, y, 1, c0[2] * f, c0[3] * f);
+  Pack<St>::put(x, y, 2, c1[0] * f, c1[1] * f);
+  Pack<St>::put(x, y, 3, c1[2] * f, c1[3] * f);
+  return a;
+}
+// same with a per-column factor: fk[0], fk[1] for columns 2q, 2q+1 of c0; fk[2], fk[3] for c1
+template <class St>
+__device__ __forceinline__ FragA<St> frag_a_from_c_cols(const float c0[4], const float c1[4], const float fk[4]) {
+  FragA<St> a;
+  uint32_t* x;
+  uint32_t* y;
+  if constexpr (sizeof(St) == 4) { x = a.hi; y = a.lo; } else { x = a.x; y = a.x; }
+  Pack<St>::put(x, y, 0, c0[0] * fk[0], c0[1] * fk[1]);
+  Pack<St>::put(x, y, 1, c0[2] * fk[0], c0[3] * fk[1]);
+  Pack<St>::put(x, y, 2, c1[0] * fk[2], c1[1] * fk[3]);
+  Pack<St>::put(x, y, 3, c1[2] * fk[2], c1[3] * fk[3]);
+  return a;
+}
+
+// ---- shared-memory fragment loaders ----
+__device__ __forceinline__ void ldsm_x4(uint32_t r[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t r[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+// A (16 x 16) at rows m0.., cols k0.. of a row-major tile s[m * ld + k]
+template <class St> __device__ __forceinline__ FragA<St> lda(const St* s, int ld, int m0, int k0) {
+  FragA<St> a;
+  const int lane = threadIdx.x & 31;
+  if constexpr (sizeof(St) == 2) {
+    const int mi = lane >> 3, r = lane & 7;
+    ldsm_x4(a.x, s + (m0 + r + (mi & 1) * 8) * ld + k0 + (mi >> 1) * 8);
+  } else {
+    const int g = lane >> 2, q = lane & 3;
+    const float* p0 = s + (m0 + g) * ld + k0 + 2 * q;
+    const float* p1 = p0 + 8 * ld;
+    Pack<St>::put(a.hi, a.lo, 0, p0[0], p0[1]);
+    Pack<St>::put(a.hi, a.lo, 1, p1[0], p1[1]);
+    Pack<St>::put(a.hi, a.lo, 2, p0[8], p0[9]);
+    Pack<St>::put(a.hi, a.lo, 3, p1[8], p1[9]);
+  }
+  return a;
+}
+// A (16 x 16) with A[m][k] = s[k * ld + m] (the tile holds A transposed); rows m0.., contraction k0..
+template <class St> __device__ __forceinline__ FragA<St> lda_t(const St* s, int ld, int m0, int k0) {
+  FragA<St> a;
+  const int lane = threadIdx.x & 31;
+  if constexpr (sizeof(St) == 2) {
+    const int mi = lane >> 3, r = lane & 7;
+    ldsm_x4_t(a.x, s + (k0 + r + (mi >> 1) * 8) * ld + m0 + (mi & 1) * 8);
+  } else {
+    const int g = lane >> 2, q = lane & 3;
+    const float* p = s + (k0 + 2 * q) * ld + m0 + g;
+    Pack<St>::put(a.hi, a.lo, 0, p[0], p[ld]);
+    Pack<St>::put(a.hi, a.lo, 1, p[8], p[ld + 8]);
+    Pack<St>::put(a.hi, a.lo, 2, p[8 * ld], p[9 * ld]);
+    Pack<St>::put(a.hi, a.lo, 3, p[8 * ld + 8], p[9 * ld + 8]);
+  }
+  return a;
+}
+// lda_t with the contraction index k scaled by f(k) = sc * exp(gam[k]) (a scaled copy of the operand)
+template <class St>
+__device__ __forceinline__ FragA<St> lda_t_scaled(const St* s, int ld, int m0, int k0, const float* gam, float sc) {
+  const int lane = threadIdx.x & 31;
+  const int q = lane & 3;
+  const float f0 = sc * __expf(gam[k0 + 2 * q]), f1 = sc * __expf(gam[k0 + 2 * q + 1]);
+  const float f8 = sc * __expf(gam[k0 + 2 * q + 8]), f9 = sc * __expf(gam[k0 + 2 * q + 9]);
+  FragA<St> a;
+  if constexpr (sizeof(St) == 2) {
+    FragA<St> r = lda_t<St>(s, ld, m0, k0);
+    const float fa[4][2] = {{f0, f1}, {f0, f1}, {f8, f9}, {f8, f9}};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 v;
+      if constexpr (std::is_same<St, __half>::value) v = unpack_f16(r.x[i]); else v = unpack_bf16(r.x[i]);
+      Pack<St>::put(a.x, a.x, i, v.x * fa[i][0], v.y * fa[i][1]);
+    }
+  } else {
+    const int g = lane >> 2;
+    const float* p = s + (k0 + 2 * q) * ld + m0 + g;
+    Pack<St>::put(a.hi, a.lo, 0, p[0] * f0, p[ld] * f1);
+    Pack<St>::put(a.hi, a.lo, 1, p[8] * f0, p[ld + 8] * f1);
+    Pack<St>::put(a.hi, a.lo, 2, p[8 * ld] * f8, p[9 * ld] * f9);
+    Pack<St>::put(a.hi, a.lo, 3, p[8 * ld + 8] * f8, p[9 * ld + 8] * f9);
+  }
+  return a;
+}
+// two B fragments (n0..n0+7 and n0+8..n0+15, contraction k0..k0+15) with B[k][n] = s[n * ld + k]
+template <class St> __device__ __forceinline__ void ldb(FragB<St> b[2], const St* s, int ld, int n0, int k0) {
+  const int lane = threadIdx.x & 31;
+  if constexpr (sizeof(St) == 2) {
+    const int mi = lane >> 3, r = lane & 7;
+    uint32_t x[4];
+    ldsm_x4(x, s + (n0 + r + (mi >> 1) * 8) * ld + k0 + (mi & 1) * 8);
+    b[0].x[0] = x[0]; b[0].x[1] = x[1]; b[1].x[0] = x[2]; b[1].x[1] = x[3];
+  } else {
+    const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const float* p = s + (n0 + 8 * t + g) * ld + k0 + 2 * q;
+      Pack<St>::put(b[t].hi, b[t].lo, 0, p[0], p[1]);
+      Pack<St>::put(b[t].hi, b[t].lo, 1, p[8], p[9]);
+    }
+  }
+}
+// two B fragments with B[k][n] = s[k * ld + n]
+template <class St> __device__ __forceinline__ void ldb_t(FragB<St> b[2], const St* s, int ld, int k0, int n0) {
+  const int lane = threadIdx.x & 31;
+  if constexpr (sizeof(St) == 2) {
+    const int mi = lane >> 3, r = lane & 7;
+    uint32_t x[4];
+    ldsm_x4_t(x, s + (k0 + r + (mi & 1) * 8) * ld + n0 + (mi >> 1) * 8);
+    b[0].x[0] = x[0]; b[0].x[1] = x[1]; b[1].x[0] = x[2]; b[1].x[1] = x[3];
+  } else {
+    const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const float* p = s + (k0 + 2 * q) * ld + n0 + 8 * t + g;
+      Pack<St>::put(b[t].hi, b[t].lo, 0, p[0], p[ld]);
+      Pack<St>::put(b[t].hi, b[t].lo, 1, p[8 * ld], p[9 * ld]);
+    }
+  }
+}
+
+template <int N> __device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
+
+// ---- chunks and units ----
+struct ChunkInfo { int64_t bos; int len; };
+__device__ __forceinline__ ChunkInfo chunk_info(const Params& p, int c) {
+  ChunkInfo ci;
+  if (p.chunk_tok != nullptr) {
+    ci.bos = p.chunk_tok[c];
+    ci.len = p.chunk_len[c];
+  } else {
+    const int n = c / p.CPS, i = c % p.CPS;
+    ci.bos = static_cast<int64_t>(n) * p.T + static_cast<int64_t>(i) * C;
+    ci.len = min(C, p.T - i * C);
+  }
+  // defensive clamps: never index outside [0, BT)
+  ci.bos = ci.bos < 0 ? 0 : (ci.bos > p.BT ? p.BT : ci.bos);
+  const int64_t room = p.BT - ci.bos;
+  ci.len = max(0, min(ci.len, static_cast<int>(room < C ? room : C)));
+  return ci;
+}
+struct Unit { int n, cb, ce; };
+__device__ __forceinline__ Unit get_unit(const Params& p, int u) {
+  Unit r;
+  if (p.unit_tab != nullptr) {
+    r.n = p.unit_tab[3 * u]; r.cb = p.unit_tab[3 * u + 1]; r.ce = p.unit_tab[3 * u + 2];
+  } else {
+    r.n = u / p.segs_per_seq;
+    const int s = u % p.segs_per_seq;
+    r.cb = r.n * p.CPS + s * p.seg;
+    r.ce = min(r.cb + p.seg, (r.n + 1) * p.CPS);
+  }
+  r.cb = max(0, min(r.cb, p.NC));
+  r.ce = max(r.cb, min(r.ce, p.NC));
+  return r;
+}
+
+// ---- (I + M)^-1 for a strictly lower-triangular 64 x 64 fp32 M in shared memory (ld 65), 128 threads ----
+// Diagonal 16 x 16 blocks by forward substitution (one column per thread), then the off-diagonal blocks by
+// distance: X_IJ = -X_II sum_{J <= m < I} M_Im X_mJ. Result in Tf (ld 65); Pf is 3 * 256 floats of scratch.
+__device__ __forceinline__ void block_inverse(const float* Mf, float* Tf, float* Pf, int tid) {
+  constexpr int LD = C + 1;
+  for (int i = tid; i < C * C; i += 128) Tf[(i / C) * LD + (i % C)] = 0.f;
+  __syncthreads();
+  if (tid < 64) {
+    const int b = tid >> 4, col = tid & 15, o = 16 * b;
+    float x[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float acc = (i == col) ? 1.f : 0.f;
+#pragma unroll
+      for (int j = 0; j < i; ++j) acc -= Mf[(o + i) * LD + o + j] * x[j];
+      x[i] = acc;
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) Tf[(o + i) * LD + o + col] = x[i];
+  }
+  __syncthreads();
+#pragma unroll 1
+  for (int d = 1; d < 4; ++d) {
+    const int nb = 4 - d;  // blocks (I, J = I - d), I = d..3
+    for (int e = tid; e < nb * 256; e += 128) {
+      const int bi = e >> 8, r = (e >> 4) & 15, cc = e & 15;
+      const int I = bi + d, J = bi;
+      float acc = 0.f;
+      for (int m = J * 16; m < I * 16; ++m) acc += Mf[(I * 16 + r) * LD + m] * Tf[m * LD + J * 16 + cc];
+      Pf[e] = acc;
+    }
+    __syncthreads();
+    for (int e = tid; e < nb * 256; e += 128) {
+      const int bi = e >> 8, r = (e >> 4) & 15, cc = e & 15;
+      const int I = bi + d, J = bi;
+      float acc = 0.f;
+      for (int m = 0; m <= r; ++m) acc += Tf[(I * 16 + r) * LD + I * 16 + m] * Pf[(bi << 8) + m * 16 + cc];
+      Tf[(I * 16 + r) * LD + J * 16 + cc] = -acc;
+    }
+    __syncthreads();
+  }
+}
+
+// warp-wide inclusive prefix sum
+__device__ __forceinline__ float warp_incl_scan(float x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+
+}  // namespace cuda
+}  // namespace gated_delta

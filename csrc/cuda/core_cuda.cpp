@@ -1,0 +1,373 @@
+// Host side of the CUDA backend: core_forward_cuda / core_backward_cuda (core.h). Validates what only the CUDA
+// kernels limit (head dims, dtypes), lays out the chunks and work units (equal-length batches need no host data,
+// so no device->host sync and the calls are CUDA-graph capturable; varlen batches build small tables on the host),
+// allocates the intermediates and launches the kernels on the current stream.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "../checks.h"
+#include "../core.h"
+#include "params.h"
+
+namespace gated_delta {
+
+namespace {
+
+using cuda::Params;
+constexpr int kC = cuda::kChunk;
+
+void check_cuda_limits(const CoreArgs& a) {
+  const int64_t K = a.head_k(), V = a.head_v();
+  auto ok = [](int64_t d) { return d == 64 || d == 128 || d == 256; };
+  TORCH_CHECK(ok(K) && ok(V), "gated_delta CUDA kernels support head dims K and V in {64, 128, 256} only, got K = ",
+              K, ", V = ", V);
+  const auto st = a.q.scalar_type();
+  TORCH_CHECK(st == at::kBFloat16 || st == at::kHalf || st == at::kFloat,
+              "gated_delta CUDA kernels support bfloat16, float16 and float32 inputs, got ", st);
+  TORCH_CHECK(a.seqlen() * std::max(a.num_qk_heads(), a.num_v_heads()) < (int64_t(1) << 31) &&
+                  a.batch() * a.seqlen() < (int64_t(1) << 31),
+              "gated_delta CUDA kernels: B * T * heads must stay below 2^31");
+}
+
+int dtype_code(at::ScalarType t) {
+  if (t == at::kBFloat16) return 0;
+  if (t == at::kHalf) return 1;
+  return 2;
+}
+
+// contiguous, 16-byte aligned (cp.async moves 16-byte vectors)
+at::Tensor dense(const at::Tensor& x) {
+  at::Tensor y = x.contiguous();
+  if (reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 != 0) y = y.clone();
+  return y;
+}
+
+int num_sms(const at::Tensor& x) {
+  return at::cuda::getDeviceProperties(x.device().index())->multiProcessorCount;
+}
+
+// Chunks, work units and (varlen) their device tables.
+struct Layout {
+  bool scan = false;
+  int N = 0, NC = 0, CPS = 0;
+  int num_units = 0, seg = 1, segs_per_seq = 1;
+  at::Tensor table;  // device int32: chunk_tok | chunk_len | unit_tab | unit_off
+  const int* chunk_tok = nullptr;
+  const int* chunk_len = nullptr;
+  const int* unit_tab = nullptr;
+  const int* unit_off = nullptr;
+};
+
+Layout make_layout(const CoreArgs& a) {
+  Layout L;
+  const int64_t T = a.seqlen();
+  const int64_t units_per_head = a.head_v() / 64;
+  const int sms = num_sms(a.q);
+  const int64_t lanes = a.num_v_heads() * units_per_head;  // CTAs of the state kernels per work unit
+  auto want_scan = [&](int64_t n_seqs, int64_t max_chunks) {
+    if (a.algorithm == Algorithm::Scan) return true;
+    if (a.algorithm != Algorithm::Auto) return false;  // chunk; recurrent runs the chunk kernels on CUDA
+    return n_seqs * lanes * 4 <= sms && max_chunks >= 32;
+  };
+  // units per sequence for the scan: about two waves of the state kernels over the whole batch
+  auto scan_seg = [&](int64_t n_seqs, int64_t total_chunks) {
+    const int64_t target = std::max<int64_t>(1, (2 * sms + lanes - 1) / lanes);
+    return static_cast<int>(std::max<int64_t>(1, (total_chunks + target - 1) / target));
+  };
+
+  if (!a.cu_seqlens.defined()) {
+    L.N = static_cast<int>(a.batch());
+    L.CPS = static_cast<int>((T + kC - 1) / kC);
+    L.NC = L.N * L.CPS;
+    L.scan = want_scan(L.N, L.CPS);
+    if (L.scan) {
+      const int seg = scan_seg(L.N, L.NC);
+      L.seg = std::max(1, std::min(seg, L.CPS));
+      L.segs_per_seq = (L.CPS + L.seg - 1) / L.seg;
+    } else {
+      L.seg = std::max(1, L.CPS);
+      L.segs_per_seq = 1;
+    }
+    L.num_units = L.N * L.segs_per_seq;
+    return L;
+  }
+
+  at::Tensor cu_host = a.cu_seqlens_cpu;
+  if (!cu_host.defined()) {
+    cu_host = a.cu_seqlens.to(at::kCPU).to(at::kLong).contiguous();  // one device->host copy
+    check_cu_seqlens_values(cu_host, T, "cu_seqlens");
+  }
+  cu_host = cu_host.to(at::kLong).contiguous();
+  const int64_t* cu = cu_host.data_ptr<int64_t>();
+  L.N = static_cast<int>(cu_host.size(0) - 1);
+  std::vector<int> nch(L.N);
+  int64_t total = 0, mx = 0;
+  for (int n = 0; n < L.N; ++n) {
+    const int64_t len = std::max<int64_t>(0, cu[n + 1] - cu[n]);
+    nch[n] = static_cast<int>((len + kC - 1) / kC);
+    total += nch[n];
+    mx = std::max<int64_t>(mx, nch[n]);
+  }
+  L.NC = static_cast<int>(total);
+  L.scan = want_scan(L.N, mx);
+  L.seg = L.scan ? scan_seg(L.N, total) : std::max<int64_t>(1, mx);
+  std::vector<int> tok, len, units, uoff;
+  tok.reserve(L.NC);
+  len.reserve(L.NC);
+  uoff.push_back(0);
+  int c0 = 0;
+  for (int n = 0; n < L.N; ++n) {
+    for (int i = 0; i < nch[n]; ++i) {
+      tok.push_back(static_cast<int>(cu[n] + int64_t(i) * kC));
+      len.push_back(static_cast<int>(std::min<int64_t>(kC, cu[n + 1] - cu[n] - int64_t(i) * kC)));
+    }
+    if (L.scan) {
+      for (int s = 0; s < nch[n]; s += L.seg) {
+        units.push_back(n);
+        units.push_back(c0 + s);
+        units.push_back(c0 + std::min(s + L.seg, nch[n]));
+      }
+    } else {
+      units.push_back(n);
+      units.push_back(c0);
+      units.push_back(c0 + nch[n]);
+    }
+    uoff.push_back(static_cast<int>(units.size() / 3));
+    c0 += nch[n];
+  }
+  L.num_units = static_cast<int>(units.size() / 3);
+  std::vector<int> all;
+  all.reserve(tok.size() + len.size() + units.size() + uoff.size());
+  all.insert(all.end(), tok.begin(), tok.end());
+  all.insert(all.end(), len.begin(), len.end());
+  all.insert(all.end(), units.begin(), units.end());
+  all.insert(all.end(), uoff.begin(), uoff.end());
+  at::Tensor host = at::empty({static_cast<int64_t>(all.size())}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  std::copy(all.begin(), all.end(), host.data_ptr<int>());
+  L.table = host.to(a.q.device(), /*non_blocking=*/true);
+  const int* base = L.table.data_ptr<int>();
+  L.chunk_tok = base;
+  L.chunk_len = base + tok.size();
+  L.unit_tab = base + tok.size() + len.size();
+  L.unit_off = base + tok.size() + len.size() + units.size();
+  return L;
+}
+
+Params base_params(const CoreArgs& a, const Layout& L) {
+  Params p{};
+  p.B = static_cast<int>(a.batch());
+  p.T = static_cast<int>(a.seqlen());
+  p.H = static_cast<int>(a.num_qk_heads());
+  p.HV = static_cast<int>(a.num_v_heads());
+  p.K = static_cast<int>(a.head_k());
+  p.V = static_cast<int>(a.head_v());
+  p.N = L.N;
+  p.G = p.HV / p.H;
+  p.BT = a.batch() * a.seqlen();
+  p.NC = L.NC;
+  p.CPS = std::max(1, L.CPS);
+  p.scale = static_cast<float>(a.scale);
+  p.chunk_tok = L.chunk_tok;
+  p.chunk_len = L.chunk_len;
+  p.unit_tab = L.unit_tab;
+  p.unit_off = L.unit_off;
+  p.num_units = L.num_units;
+  p.seg = L.seg;
+  p.segs_per_seq = L.segs_per_seq;
+  return p;
+}
+
+struct Inputs {
+  at::Tensor q, k, v, g, beta, h0;
+};
+Inputs dense_inputs(const CoreArgs& a) {
+  Inputs in;
+  in.q = dense(a.q);
+  in.k = dense(a.k);
+  in.v = dense(a.v);
+  in.g = dense(a.g.to(at::kFloat));
+  in.beta = dense(a.beta.to(at::kFloat));
+  if (a.initial_state.defined()) in.h0 = dense(a.initial_state.to(at::kFloat));
+  return in;
+}
+
+}  // namespace
+
+CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
+  check_cuda_limits(a);
+  c10::cuda::CUDAGuard guard(a.q.device());
+  void* stream = at::cuda::getCurrentCUDAStream().stream();
+  const Inputs in = dense_inputs(a);
+  const Layout L = make_layout(a);
+  Params p = base_params(a, L);
+  const int dt = dtype_code(a.q.scalar_type());
+  const auto opts = in.q.options();
+  const auto fopts = opts.dtype(at::kFloat);
+  const int64_t NC = L.NC, HV = p.HV, K = p.K, V = p.V;
+  p.q = in.q.data_ptr();
+  p.k = in.k.data_ptr();
+  p.v = in.v.data_ptr();
+  p.g = in.g.data_ptr<float>();
+  p.beta = in.beta.data_ptr<float>();
+
+  at::Tensor W = at::empty({NC, HV, kC, K}, opts);
+  at::Tensor U = at::empty({NC, HV, kC, V}, opts);
+  at::Tensor A = at::empty({NC, HV, kC, kC}, opts);
+  at::Tensor gam = at::empty({NC, HV, kC}, fopts);
+  at::Tensor o = at::empty(in.v.sizes(), in.v.options());
+  at::Tensor ht;
+  if (output_final_state) ht = at::empty({L.N, HV, K, V}, fopts);
+  p.W = W.data_ptr();
+  p.U = U.data_ptr();
+  p.A = A.data_ptr();
+  p.gam = gam.data_ptr<float>();
+  p.o = o.data_ptr();
+  cuda::launch_prep(p, dt, stream);
+
+  const float* h0 = in.h0.defined() ? in.h0.data_ptr<float>() : nullptr;
+  if (!L.scan) {
+    p.init = h0;
+    p.init_by_unit = 0;
+    p.fin = ht.defined() ? ht.data_ptr<float>() : nullptr;
+    cuda::launch_state_fwd(p, dt, 0, stream);
+  } else {
+    at::Tensor segmap = at::empty({L.num_units, HV, V + K, K}, fopts);
+    at::Tensor segstate = at::empty({L.num_units, HV, K, V}, fopts);
+    p.segmap = segmap.data_ptr<float>();
+    p.segstate = segstate.data_ptr<float>();
+    p.init = nullptr;
+    p.fin = nullptr;
+    cuda::launch_state_fwd(p, dt, 2, stream);
+    p.init = h0;
+    p.fin = ht.defined() ? ht.data_ptr<float>() : nullptr;
+    cuda::launch_combine(p, 0, stream);
+    p.init = p.segstate;
+    p.init_by_unit = 1;
+    p.fin = nullptr;
+    cuda::launch_state_fwd(p, dt, 0, stream);
+  }
+  CoreForward r;
+  r.o = o;
+  r.final_state = ht;
+  return r;
+}
+
+CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state) {
+  check_cuda_limits(a);
+  c10::cuda::CUDAGuard guard(a.q.device());
+  void* stream = at::cuda::getCurrentCUDAStream().stream();
+  const Inputs in = dense_inputs(a);
+  const Layout L = make_layout(a);
+  Params p = base_params(a, L);
+  const int dt = dtype_code(a.q.scalar_type());
+  const auto opts = in.q.options();
+  const auto fopts = opts.dtype(at::kFloat);
+  const int64_t NC = L.NC, HV = p.HV, K = p.K, V = p.V;
+  at::Tensor dO = dense(d_o.to(a.v.scalar_type()));
+  at::Tensor dht;
+  if (d_final_state.defined()) dht = dense(d_final_state.to(at::kFloat));
+  p.q = in.q.data_ptr();
+  p.k = in.k.data_ptr();
+  p.v = in.v.data_ptr();
+  p.g = in.g.data_ptr<float>();
+  p.beta = in.beta.data_ptr<float>();
+  p.d_o = dO.data_ptr();
+
+  at::Tensor W = at::empty({NC, HV, kC, K}, opts);
+  at::Tensor U = at::empty({NC, HV, kC, V}, opts);
+  at::Tensor A = at::empty({NC, HV, kC, kC}, opts);
+  at::Tensor gam = at::empty({NC, HV, kC}, fopts);
+  p.W = W.data_ptr();
+  p.U = U.data_ptr();
+  p.A = A.data_ptr();
+  p.gam = gam.data_ptr<float>();
+  cuda::launch_prep(p, dt, stream);
+
+  // states entering each chunk, and Vn
+  at::Tensor hT = at::empty({NC, HV, V, K}, opts);
+  at::Tensor VnT = at::empty({NC, HV, V, kC}, opts);
+  p.hT = hT.data_ptr();
+  p.VnT = VnT.data_ptr();
+  const float* h0 = in.h0.defined() ? in.h0.data_ptr<float>() : nullptr;
+  at::Tensor segmap, segstate;
+  if (L.scan) {
+    segmap = at::empty({L.num_units, HV, V + K, K}, fopts);
+    segstate = at::empty({L.num_units, HV, K, V}, fopts);
+    p.segmap = segmap.data_ptr<float>();
+    p.segstate = segstate.data_ptr<float>();
+  }
+  if (!L.scan) {
+    p.init = h0;
+    p.init_by_unit = 0;
+    p.fin = nullptr;
+    cuda::launch_state_fwd(p, dt, 1, stream);
+  } else {
+    p.init = nullptr;
+    p.fin = nullptr;
+    cuda::launch_state_fwd(p, dt, 2, stream);
+    p.init = h0;
+    p.init_by_unit = 0;
+    cuda::launch_combine(p, 0, stream);
+    p.init = p.segstate;
+    p.init_by_unit = 1;
+    cuda::launch_state_fwd(p, dt, 1, stream);
+  }
+  U.reset();
+  p.U = nullptr;
+
+  // gradients of the states leaving each chunk, and dVn
+  at::Tensor dhT = at::empty({NC, HV, V, K}, opts);
+  at::Tensor dVnT = at::empty({NC, HV, V, kC}, opts);
+  p.dhT = dhT.data_ptr();
+  p.dVnT = dVnT.data_ptr();
+  at::Tensor dh0;
+  if (a.initial_state.defined()) dh0 = at::empty({L.N, HV, K, V}, fopts);
+  const float* dht_p = dht.defined() ? dht.data_ptr<float>() : nullptr;
+  if (!L.scan) {
+    p.init = dht_p;
+    p.init_by_unit = 0;
+    p.fin = dh0.defined() ? dh0.data_ptr<float>() : nullptr;
+    cuda::launch_state_rev(p, dt, 0, stream);
+  } else {
+    p.init = nullptr;
+    p.fin = nullptr;
+    cuda::launch_state_rev(p, dt, 1, stream);
+    p.init = dht_p;
+    p.init_by_unit = 0;
+    p.fin = dh0.defined() ? dh0.data_ptr<float>() : nullptr;
+    cuda::launch_combine(p, 1, stream);
+    p.init = p.segstate;
+    p.init_by_unit = 1;
+    p.fin = nullptr;
+    cuda::launch_state_rev(p, dt, 0, stream);
+  }
+  segmap.reset();
+  segstate.reset();
+
+  // chunk-parallel gradients; W's memory holds dW (same shape and type; W is no longer read)
+  p.dW = W.data_ptr();
+  p.W = nullptr;
+  at::Tensor dgam1 = at::empty({K / 64, NC, HV, kC}, fopts);
+  p.dgam1 = dgam1.data_ptr<float>();
+  CoreGrads gr;
+  gr.dq = at::empty(in.q.sizes(), fopts);
+  gr.dk = at::empty(in.k.sizes(), fopts);
+  gr.dv = at::empty(in.v.sizes(), fopts);
+  gr.dg = at::empty(in.g.sizes(), fopts);
+  gr.dbeta = at::empty(in.beta.sizes(), fopts);
+  p.dq = gr.dq.data_ptr<float>();
+  p.dk = gr.dk.data_ptr<float>();
+  p.dv = gr.dv.data_ptr<float>();
+  p.dg = gr.dg.data_ptr<float>();
+  p.dbeta = gr.dbeta.data_ptr<float>();
+  cuda::launch_grad(p, dt, stream);
+  gr.d_initial_state = dh0;
+  return gr;
+}
+
+}  // namespace gated_delta

@@ -1,0 +1,90 @@
+// The one parameter struct of the CUDA kernels: sizes, the varlen tables and every pointer, filled by the host
+// code (core_cuda.cpp) and passed by value to each kernel. Plain C++ (no torch headers), so the .cu files compile
+// quickly.
+//
+// Layouts (all contiguous, C = 64 tokens per chunk, NC chunks in total, padded rows of a short chunk are zero):
+//   q, k   [BT, H, K]   v, o, d_o  [BT, HV, V]   g, beta, dg, dbeta  [BT, HV]  (BT = B * T flat tokens)
+//   W      [NC, HV, C, K]      U     [NC, HV, C, V]     A (masked Q K^T o E)  [NC, HV, C, C]
+//   gam    [NC, HV, C] fp32    in-chunk cumulative log decay (padded rows repeat the last valid one)
+//   hT     [NC, HV, V, K]      transposed state entering each chunk;   dhT: transposed gradient of the state
+//                              leaving each chunk
+//   VnT    [NC, HV, V, C]      transposed corrected values;            dVnT: their gradient
+//   dW     [NC, HV, C, K]      gradient of W
+//   dgam1  [K / 64, NC, HV, C] fp32 partial gradients of gam (one slab per 64-wide block of K)
+//   states [N or units, HV, K, V] fp32 (initial / final / segment start states)
+//   segmap [units, HV, V + K, K] fp32: rows 0..V-1 hold B^T, rows V.. hold the linear part of a segment's map
+#pragma once
+
+#include <cstdint>
+
+namespace gated_delta {
+namespace cuda {
+
+constexpr int kChunk = 64;
+
+struct Params {
+  // sizes
+  int B, T, H, HV, K, V, N, G;  // G = HV / H
+  int64_t BT;                   // B * T
+  int NC;                       // total number of chunks
+  int CPS;                      // chunks per sequence (equal-length batches)
+  float scale;
+
+  // varlen tables (device, int32), all null for an equal-length batch
+  const int* chunk_tok;  // [NC] first token of each chunk
+  const int* chunk_len;  // [NC] valid tokens of each chunk
+  // work units of the sequential state kernels: (sequence, first chunk, end chunk) triples
+  const int* unit_tab;   // [3 * units] or null: then units are computed from seg / segs_per_seq
+  const int* unit_off;   // [N + 1] first unit of each sequence (varlen); null: n * segs_per_seq
+  int num_units;
+  int seg;               // chunks per unit (equal-length)
+  int segs_per_seq;      // units per sequence (equal-length)
+
+  // inputs
+  const void* q;
+  const void* k;
+  const void* v;
+  const float* g;
+  const float* beta;
+  const void* d_o;
+
+  // intermediates
+  void* W;
+  void* U;
+  void* A;
+  float* gam;
+  void* hT;
+  void* VnT;
+  void* dhT;
+  void* dVnT;
+  void* dW;
+  float* dgam1;
+
+  // state kernels: initial states (indexed by sequence or by unit), final states (by sequence), segment maps
+  const float* init;
+  int init_by_unit;
+  float* fin;
+  float* segmap;
+  float* segstate;  // combine kernel output: the state entering (fwd) / the gradient leaving (rev) each unit
+
+  // outputs
+  void* o;
+  float* dq;
+  float* dk;
+  float* dv;
+  float* dg;
+  float* dbeta;
+};
+
+// Launchers (one per kernel family), defined in the .cu files; St is selected by dtype: 0 bf16, 1 fp16, 2 fp32.
+void launch_prep(const Params& p, int dtype, void* stream);
+// mode: 0 forward with output, 1 forward storing hT / VnT, 2 segment maps
+void launch_state_fwd(const Params& p, int dtype, int mode, void* stream);
+// mode: 0 reverse storing dhT / dVnT, 1 segment maps
+void launch_state_rev(const Params& p, int dtype, int mode, void* stream);
+// reverse = 0: forward composition (start states, final state), 1: reverse (gradients)
+void launch_combine(const Params& p, int reverse, void* stream);
+void launch_grad(const Params& p, int dtype, void* stream);
+
+}  // namespace cuda
+}  // namespace gated_delta

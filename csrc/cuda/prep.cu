@@ -1,0 +1,187 @@
+// Chunk-parallel preparation, one CTA of 4 warps per (chunk, value head):
+//   gam = in-chunk cumsum of g;  M = strictly-lower(beta_i k_i.k_j e^{gam_i - gam_j});  Tm = (I + M)^-1
+//   W = Tm diag(beta e^gam) K,   U = Tm diag(beta) V,   A = lower(q_i.k_j e^{gam_i - gam_j})   (incl. diagonal)
+// KK^T and QK^T, W and U run on tensor cores (fp32 accumulation); the inverse is fp32 (blockwise, 16 x 16 blocks).
+#include <c10/cuda/CUDAException.h>
+
+#include "common.cuh"
+#include "static_switch.h"
+
+namespace gated_delta {
+namespace cuda {
+
+template <class St, int K>
+struct PrepSmem {
+  static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD;
+  static constexpr int R1 = (C * LDK > 2 * C * LDC) ? C * LDK : 2 * C * LDC;  // Q, later Tm diag(.) tiles
+  static constexpr size_t bytes = sizeof(St) * (size_t)(C * LDK + R1 + C * LDC) + sizeof(float) * (3 * C * (C + 1) + 768 + 2 * C);
+};
+
+template <class St, int K>
+__global__ void __launch_bounds__(128) prep_kernel(const Params p) {
+  using S = PrepSmem<St, K>;
+  constexpr int LDK = S::LDK, LDC = S::LDC, LDF = C + 1;
+  extern __shared__ __align__(16) unsigned char smem[];
+  St* Ks = reinterpret_cast<St*>(smem);
+  St* R1 = Ks + C * LDK;
+  St* Vs = R1 + S::R1;
+  float* Mf = reinterpret_cast<float*>(Vs + C * LDC);
+  float* Tf = Mf + C * LDF;
+  float* Pf = Tf + C * LDF;
+  float* gam = Pf + 768;
+  float* bet = gam + C;
+
+  const int c = blockIdx.x, hv = blockIdx.y, h = hv / p.G;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
+  const ChunkInfo ci = chunk_info(p, c);
+  const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+
+  const St* kg = static_cast<const St*>(p.k) + (ci.bos * p.H + h) * K;
+  const St* qg = static_cast<const St*>(p.q) + (ci.bos * p.H + h) * K;
+  const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V;
+  load_tile<St, C, K, 128>(Ks, LDK, kg, static_cast<int64_t>(p.H) * K, ci.len, tid);
+  load_tile<St, C, K, 128>(R1, LDK, qg, static_cast<int64_t>(p.H) * K, ci.len, tid);
+  cp_async_commit();
+  load_tile<St, C, C, 128>(Vs, LDC, vg, static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
+  cp_async_commit();
+
+  if (warp == 0) {
+    const int i0 = 2 * lane, i1 = i0 + 1;
+    float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
+    if (i0 < ci.len) { a0 = p.g[(ci.bos + i0) * p.HV + hv]; b0 = p.beta[(ci.bos + i0) * p.HV + hv]; }
+    if (i1 < ci.len) { a1 = p.g[(ci.bos + i1) * p.HV + hv]; b1 = p.beta[(ci.bos + i1) * p.HV + hv]; }
+    const float incl = warp_incl_scan(a0 + a1);
+    float excl = __shfl_up_sync(0xffffffffu, incl, 1);
+    if (lane == 0) excl = 0.f;
+    const float y0 = excl + a0;
+    gam[i0] = y0;
+    gam[i1] = y0 + a1;
+    bet[i0] = b0;
+    bet[i1] = b1;
+  }
+  cp_async_wait<1>();
+  __syncthreads();
+
+  // K K^T and Q K^T: each warp 16 rows x 64 columns
+  float kk[8][4], qk[8][4];
+  zero_acc(kk);
+  zero_acc(qk);
+#pragma unroll 2
+  for (int kt = 0; kt < K / 16; ++kt) {
+    const FragA<St> ak = lda<St>(Ks, LDK, 16 * warp, 16 * kt);
+    const FragA<St> aq = lda<St>(R1, LDK, 16 * warp, 16 * kt);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      FragB<St> b[2];
+      ldb<St>(b, Ks, LDK, 16 * np, 16 * kt);
+      mma<St>(kk[2 * np], ak, b[0]);
+      mma<St>(kk[2 * np + 1], ak, b[1]);
+      mma<St>(qk[2 * np], aq, b[0]);
+      mma<St>(qk[2 * np + 1], aq, b[1]);
+    }
+  }
+  St* Ag = static_cast<St*>(p.A) + chv * C * C;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int i = 16 * warp + g8 + 8 * hr;
+      float av[2];
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1) {
+        const int j = 8 * nt + 2 * q + e1;
+        const float E = (i >= j) ? __expf(gam[i] - gam[j]) : 0.f;
+        Mf[i * LDF + j] = (i > j) ? bet[i] * kk[nt][2 * hr + e1] * E : 0.f;
+        av[e1] = qk[nt][2 * hr + e1] * E;
+      }
+      st2<St>(Ag + i * C + 8 * nt + 2 * q, av[0], av[1]);
+    }
+  }
+  __syncthreads();
+  block_inverse(Mf, Tf, Pf, tid);
+
+  // Tm diag(beta) and Tm diag(beta e^gam) as operand tiles (Q is no longer needed: reuse its space)
+  St* TmB = R1;
+  St* TmBG = R1 + C * LDC;
+  for (int e = tid; e < C * C; e += 128) {
+    const int i = e / C, j = e % C;
+    const float t = Tf[i * LDF + j] * bet[j];
+    TmB[i * LDC + j] = from_f<St>(t);
+    TmBG[i * LDC + j] = from_f<St>(t * __expf(gam[j]));
+  }
+  if (tid < C) p.gam[chv * C + tid] = gam[tid];
+  __syncthreads();
+
+  // W = (Tm diag(beta e^gam)) K, in 64-column blocks
+  St* Wg = static_cast<St*>(p.W) + chv * C * K;
+#pragma unroll 1
+  for (int nb = 0; nb < K / 64; ++nb) {
+    float acc[8][4];
+    zero_acc(acc);
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      const FragA<St> a = lda<St>(TmBG, LDC, 16 * warp, 16 * kt);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        FragB<St> b[2];
+        ldb_t<St>(b, Ks, LDK, 16 * kt, nb * 64 + 16 * np);
+        mma<St>(acc[2 * np], a, b[0]);
+        mma<St>(acc[2 * np + 1], a, b[1]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int i = 16 * warp + g8, col = nb * 64 + 8 * nt + 2 * q;
+      st2<St>(Wg + i * K + col, acc[nt][0], acc[nt][1]);
+      st2<St>(Wg + (i + 8) * K + col, acc[nt][2], acc[nt][3]);
+    }
+  }
+
+  // U = (Tm diag(beta)) V, one 64-column block of V at a time
+  St* Ug = static_cast<St*>(p.U) + chv * C * p.V;
+#pragma unroll 1
+  for (int vb = 0; vb < p.V / 64; ++vb) {
+    if (vb > 0) {
+      __syncthreads();
+      load_tile<St, C, C, 128>(Vs, LDC, vg + vb * 64, static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
+      cp_async_commit();
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    float acc[8][4];
+    zero_acc(acc);
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      const FragA<St> a = lda<St>(TmB, LDC, 16 * warp, 16 * kt);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        FragB<St> b[2];
+        ldb_t<St>(b, Vs, LDC, 16 * kt, 16 * np);
+        mma<St>(acc[2 * np], a, b[0]);
+        mma<St>(acc[2 * np + 1], a, b[1]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int i = 16 * warp + g8, col = vb * 64 + 8 * nt + 2 * q;
+      st2<St>(Ug + static_cast<int64_t>(i) * p.V + col, acc[nt][0], acc[nt][1]);
+      st2<St>(Ug + static_cast<int64_t>(i + 8) * p.V + col, acc[nt][2], acc[nt][3]);
+    }
+  }
+}
+
+void launch_prep(const Params& p, int dtype, void* stream) {
+  if (p.NC == 0) return;
+  GD_DTYPE_SWITCH(dtype, St, [&] {
+    GD_HEADK_SWITCH(p.K, KC, [&] {
+      const size_t smem = PrepSmem<St, KC>::bytes;
+      auto kern = prep_kernel<St, KC>;
+      C10_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), smem));
+      kern<<<dim3(p.NC, p.HV), 128, smem, static_cast<cudaStream_t>(stream)>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
+}  // namespace cuda
+}  // namespace gated_delta

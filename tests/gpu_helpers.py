@@ -1,0 +1,107 @@
+"""Shared helpers of the GPU tests and benchmark: input generation, float64 references, relative errors.
+
+Run as a script for a small forward + backward on the GPU (used under compute-sanitizer):
+    compute-sanitizer --tool memcheck python tests/gpu_helpers.py
+"""
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def rel_err(a, b):
+    a = a.double()
+    b = b.double()
+    den = b.norm()
+    if den == 0:
+        return (a - b).norm().item()
+    return ((a - b).norm() / den).item()
+
+
+def make_inputs(B, T, H, HV, K, V, dtype, device="cuda", h0=True, cu_seqlens=None, options=False, seed=0):
+    """Random inputs in the ranges models use (unit-norm keys, negative log decay, beta in (0, 1))."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.randn(B, T, H, K, generator=gen)
+    v = torch.randn(B, T, HV, V, generator=gen)
+    kw = {}
+    if options:
+        g = torch.randn(B, T, HV, generator=gen)  # g_raw
+        beta = torch.randn(B, T, HV, generator=gen)  # logits
+        kw = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
+                  use_gate_in_kernel=True, A_log=(torch.rand(HV, generator=gen) - 0.5).to(device),
+                  dt_bias=(0.5 * torch.randn(HV, generator=gen)).to(device))
+    else:
+        q = F.normalize(q, dim=-1)
+        k = F.normalize(k, dim=-1)
+        g = F.logsigmoid(torch.randn(B, T, HV, generator=gen) + 3.0)
+        beta = torch.sigmoid(torch.randn(B, T, HV, generator=gen))
+    init = torch.randn(N, HV, K, V, generator=gen) * 0.5 if h0 else None
+    t = lambda x: x.to(device=device, dtype=dtype)  # noqa: E731
+    out = dict(q=t(q), k=t(k), v=t(v), g=g.to(device), beta=t(beta),
+               initial_state=None if init is None else init.to(device), **kw)
+    if cu_seqlens is not None:
+        out["cu_seqlens"] = torch.tensor(cu_seqlens, dtype=torch.long, device=device)
+    return out
+
+
+def reference(inputs, d_o=None, d_ht=None, grads=True):
+    """float64 reference (the token loop) of o, the final state and, given d_o / d_ht, every gradient."""
+    from gated_delta.reference import gated_delta_rule_ref
+
+    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+             if inputs.get(n) is not None]
+    x64 = {}
+    for n, x in inputs.items():
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            x64[n] = x.detach().double().requires_grad_(grads and n in names)
+        else:
+            x64[n] = x
+    o, ht = gated_delta_rule_ref(**x64, output_final_state=True)
+    res = {"o": o.detach(), "ht": ht.detach()}
+    if grads:
+        loss = (o * d_o.double()).sum() + (ht * d_ht.double()).sum()
+        gs = torch.autograd.grad(loss, [x64[n] for n in names])
+        res.update({"d" + n: gv for n, gv in zip(names, gs)})
+    return res
+
+
+def run_ours(inputs, d_o=None, d_ht=None, algorithm="chunk", grads=True, **extra):
+    from gated_delta import gated_delta_rule
+
+    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+             if inputs.get(n) is not None]
+    xs = {}
+    for n, x in inputs.items():
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            xs[n] = x.detach().clone().requires_grad_(grads and n in names)
+        else:
+            xs[n] = x
+    o, ht = gated_delta_rule(**xs, output_final_state=True, algorithm=algorithm, **extra)
+    res = {"o": o.detach(), "ht": ht.detach()}
+    if grads:
+        loss = (o.float() * d_o.float()).sum() + (ht * d_ht).sum()
+        gs = torch.autograd.grad(loss, [xs[n] for n in names])
+        res.update({"d" + n: gv for n, gv in zip(names, gs)})
+    return res
+
+
+def _sanitize_main():
+    """A small forward + backward touching every kernel family (chunk and scan, varlen, K = 256)."""
+    torch.manual_seed(0)
+    for algo in ("chunk", "scan"):
+        for (B, T, H, HV, K, V, cu) in ((2, 70, 1, 2, 64, 128, None), (1, 150, 1, 1, 128, 64, [0, 20, 20, 150]),
+                                        (1, 66, 1, 1, 256, 64, None)):
+            for dtype in (torch.bfloat16, torch.float32):
+                inp = make_inputs(B, T, H, HV, K, V, dtype, cu_seqlens=cu)
+                N = B if cu is None else len(cu) - 1
+                d_o = torch.randn(B, T, HV, V, device="cuda").to(dtype)
+                d_ht = torch.randn(N, HV, K, V, device="cuda")
+                r = run_ours(inp, d_o, d_ht, algorithm=algo)
+                torch.cuda.synchronize()
+                print(algo, dtype, K, V, "ok", all(torch.isfinite(x).all().item() for x in r.values()))
+
+
+if __name__ == "__main__":
+    sys.exit(_sanitize_main())

@@ -1,0 +1,179 @@
+"""GPU tests of the CUDA kernels against the float64 token loop (run on the GPU in float64).
+
+Every test is marked `gpu` and skipped without CUDA.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_helpers import make_inputs, reference, rel_err, run_ours  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# (relative L2 error) tolerances: outputs / final state, gradients
+TOL = {
+    torch.bfloat16: (5e-3, 1e-2),
+    torch.float16: (2.5e-3, 5e-3),
+    torch.float32: (1e-3, 1e-3),
+}
+
+# B, T, H, HV, K, V, initial state, cu_seqlens, in-kernel options
+CASES = {
+    "T63_K64_V128_gqa": (2, 63, 2, 4, 64, 128, True, None, False),
+    "T1": (1, 1, 1, 1, 128, 64, False, None, False),
+    "T65_K128": (2, 65, 2, 2, 128, 128, True, None, False),
+    "T1000": (1, 1000, 1, 2, 128, 128, True, None, False),
+    "K256_V64": (1, 130, 1, 2, 256, 64, True, None, False),
+    "K64_V256_noh0": (2, 100, 1, 1, 64, 256, False, None, False),
+    "varlen": (1, 200, 2, 4, 128, 64, True, [0, 5, 5, 70, 200], False),
+    "varlen_empty_ends": (1, 130, 1, 2, 64, 64, True, [0, 0, 65, 130, 130], False),
+    "options": (2, 90, 2, 4, 128, 128, True, None, True),
+}
+
+_REF_CACHE = {}
+
+
+def _case(name, dtype):
+    key = (name, dtype)
+    if key not in _REF_CACHE:
+        B, T, H, HV, K, V, h0, cu, opts = CASES[name]
+        inp = make_inputs(B, T, H, HV, K, V, dtype, h0=h0, cu_seqlens=cu, options=opts, seed=list(CASES).index(name))
+        N = B if cu is None else len(cu) - 1
+        gen = torch.Generator(device="cpu").manual_seed(7)
+        d_o = torch.randn(B, T, HV, V, generator=gen).to("cuda", dtype)
+        d_ht = torch.randn(N, HV, K, V, generator=gen).to("cuda")
+        ref = reference(inp, d_o, d_ht)
+        _REF_CACHE[key] = (inp, d_o, d_ht, ref)
+    return _REF_CACHE[key]
+
+
+@pytest.mark.parametrize("algorithm", ["chunk", "scan"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_against_reference(name, dtype, algorithm):
+    inp, d_o, d_ht, ref = _case(name, dtype)
+    ours = run_ours(inp, d_o, d_ht, algorithm=algorithm)
+    tol_o, tol_g = TOL[dtype]
+    errs = {}
+    for key, r in ref.items():
+        assert torch.isfinite(ours[key]).all(), f"{key} has non-finite values"
+        assert ours[key].device.type == "cuda"
+        errs[key] = rel_err(ours[key], r)
+    print(f"\n{name} {dtype} {algorithm}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    for key, e in errs.items():
+        tol = tol_o if key in ("o", "ht") else tol_g
+        assert e <= tol, f"{key}: relative error {e:.3e} > {tol:.1e} ({errs})"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_chunk_and_scan_agree(dtype):
+    inp = make_inputs(2, 3000, 1, 2, 128, 128, dtype)
+    d_o = torch.randn(2, 3000, 2, 128, device="cuda").to(dtype)
+    d_ht = torch.randn(2, 2, 128, 128, device="cuda")
+    a = run_ours(inp, d_o, d_ht, algorithm="chunk")
+    b = run_ours(inp, d_o, d_ht, algorithm="scan")
+    tol = 1e-4 if dtype == torch.float32 else 5e-3
+    for key in a:
+        assert rel_err(b[key], a[key]) <= tol, key
+
+
+def test_auto_and_recurrent_run():
+    inp = make_inputs(1, 4096, 1, 1, 128, 128, torch.bfloat16)
+    ref = reference(inp, grads=False)
+    for algo in ("auto", "recurrent"):
+        r = run_ours(inp, algorithm=algo, grads=False)
+        assert rel_err(r["o"], ref["o"]) < 5e-3
+
+
+def test_deterministic():
+    inp = make_inputs(1, 777, 2, 8, 128, 128, torch.bfloat16, cu_seqlens=[0, 100, 500, 777])
+    d_o = torch.randn(1, 777, 8, 128, device="cuda").to(torch.bfloat16)
+    d_ht = torch.randn(3, 8, 128, 128, device="cuda")
+    for algo in ("chunk", "scan"):
+        a = run_ours(inp, d_o, d_ht, algorithm=algo)
+        b = run_ours(inp, d_o, d_ht, algorithm=algo)
+        for key in a:
+            assert torch.equal(a[key], b[key]), (algo, key)
+
+
+def test_cuda_graph_replay_matches_eager():
+    B, T, H, HV, K, V = 2, 200, 2, 4, 128, 128
+    inp = make_inputs(B, T, H, HV, K, V, torch.bfloat16)
+    d_o = torch.randn(B, T, HV, V, device="cuda").to(torch.bfloat16)
+    d_ht = torch.randn(B, HV, K, V, device="cuda")
+    args = lambda: (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], K ** -0.5, inp["initial_state"])  # noqa
+    rest_f = (True, None, None, False, False, False, False, None, None, "chunk", 64)
+
+    def step():
+        o, ht = torch.ops.gated_delta.fwd(*args(), *rest_f)
+        grads = torch.ops.gated_delta.bwd(d_o, d_ht, *args(), None, None, False, False, False, False, None, None,
+                                          "chunk", 64)
+        return (o, ht) + tuple(grads[:6])
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    eager = [x.clone() for x in step()]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for x in static:
+        x.fill_(float("nan")) if x.is_floating_point() else None
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, static):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("K,V", [(32, 64), (64, 96), (512, 64)])
+def test_unsupported_head_dims_raise(K, V):
+    inp = make_inputs(1, 8, 1, 1, K, V, torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"K and V in \{64, 128, 256\}"):
+        run_ours(inp, grads=False)
+
+
+def test_runs_cuda_kernels():
+    inp = make_inputs(1, 100, 1, 1, 64, 64, torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        r = run_ours(inp, grads=False)
+        torch.cuda.synchronize()
+    names = " ".join(e.name for e in prof.events())
+    assert "state_fwd_kernel" in names and "prep_kernel" in names
+    assert r["o"].device.type == "cuda"
+
+
+def test_varlen_host_copy_matches():
+    cu = [0, 10, 150, 151, 300]
+    inp = make_inputs(1, 300, 1, 2, 64, 64, torch.bfloat16, cu_seqlens=cu)
+    a = run_ours(inp, grads=False)
+    b = run_ours(inp, grads=False, cu_seqlens_cpu=torch.tensor(cu))
+    assert torch.equal(a["o"], b["o"]) and torch.equal(a["ht"], b["ht"])
+
+
+def test_bad_cu_seqlens_raise():
+    inp = make_inputs(1, 100, 1, 1, 64, 64, torch.bfloat16, cu_seqlens=[0, 60, 40, 100])
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        run_ours(inp, grads=False)
+    inp = make_inputs(1, 100, 1, 1, 64, 64, torch.bfloat16, cu_seqlens=[0, 60, 90])
+    with pytest.raises(RuntimeError, match="must end at T"):
+        run_ours(inp, grads=False)
+
+
+def test_strided_inputs():
+    B, T, H, HV, K, V = 1, 100, 2, 2, 64, 64
+    inp = make_inputs(B, T, H, HV, K, V, torch.bfloat16)
+    ref = run_ours(inp, grads=False)
+    st = dict(inp)
+    st["q"] = inp["q"].transpose(1, 2).contiguous().transpose(1, 2)
+    st["v"] = torch.cat([inp["v"], inp["v"]], dim=-1)[..., :V]
+    out = run_ours(st, grads=False)
+    assert torch.equal(out["o"], ref["o"])
