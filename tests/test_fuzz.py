@@ -25,14 +25,18 @@ def fuzz(examples):
 
 # ---------------------------------------------------------------- random valid calls
 
+# Head dims of the fuzzed calls: any small size on the CPU; the sizes the CUDA kernels take on CUDA.
+HEAD_DIMS = {"cpu": st.integers(1, 12), "cuda": st.sampled_from([64, 128])}
+
+
 @st.composite
 def calls(draw, dtype=torch.float64, device="cpu", max_T=48):
     """A valid call: (tensor arguments, options). Small sizes, every option, and awkward values: g from 0 (no decay)
     down to -1e4 (a full reset), beta up to 2, lengths 0 and 1, odd chunk sizes, non-contiguous inputs."""
     H = draw(st.integers(1, 3))
     HV = H * draw(st.integers(1, 3))
-    K = draw(st.integers(1, 12))
-    V = draw(st.integers(1, 12))
+    K = draw(HEAD_DIMS[device])
+    V = draw(HEAD_DIMS[device])
     packed = draw(st.booleans())
     if packed:
         lengths = draw(st.lists(st.integers(0, 20), min_size=1, max_size=4))
@@ -151,11 +155,18 @@ def test_gradients_match_reference_float64(call, seed):
         assert_close(got, ref, 1e-8, f"d{name}")
 
 
+# Tolerance (relative to the largest reference value) of lower-precision outputs. The CUDA kernels multiply fp32
+# inputs as split bf16 pairs (about 16 bits of mantissa), hence a looser fp32 bound there.
+LOW_PRECISION_RTOL = {("cpu", torch.float32): 2e-4, ("cuda", torch.float32): 1e-3,
+                      ("cpu", torch.bfloat16): 3e-2, ("cuda", torch.bfloat16): 3e-2}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 2e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @fuzz(20)
 @given(data=st.data())
-def test_lower_precision_is_finite_and_close(device, dtype, rtol, data):
+def test_lower_precision_is_finite_and_close(device, dtype, data):
+    rtol = LOW_PRECISION_RTOL[device, dtype]
     tensors, options = data.draw(calls(dtype=dtype, device=device))
     o, ht = gated_delta_rule(**tensors, **options)
     ref_tensors, ref_options = reference(tensors, options)
@@ -169,11 +180,12 @@ def test_lower_precision_is_finite_and_close(device, dtype, rtol, data):
 
 # ---------------------------------------------------------------- determinism
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @fuzz(8)
-@given(call=calls(dtype=torch.float32))
-def test_repeated_runs_are_bitwise_equal(algorithm, call):
-    tensors, options = call
+@given(data=st.data())
+def test_repeated_runs_are_bitwise_equal(device, algorithm, data):
+    tensors, options = data.draw(calls(dtype=torch.float32, device=device))
     options = dict(options, algorithm=algorithm)
 
     def make():
