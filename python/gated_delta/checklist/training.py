@@ -239,7 +239,7 @@ def check_soak(cfg: Config) -> Result:
         default_steps = 200 if cfg.quick else 2000
     else:
         hidden, heads, head_dim, B, T = 32, 2, 16, 2, 64
-        default_steps = 40 if cfg.quick else 300
+        default_steps = 30 if cfg.quick else 300
     steps = cfg.soak_steps or default_steps
     lengths = [T, T // 2, 3 * T // 4]  # a fixed cycle, so the memory of equal phases can be compared
     cycle = len(lengths)
