@@ -68,7 +68,6 @@ def check_seqlen(cfg: Config) -> Result:
                 seconds, mem = _measure(cfg, shape, dtype, repeats)
                 per_token = seconds / T
         except Exception as err:  # noqa: BLE001 -- out of memory ends the sweep, anything else is a failure
-            _release(cfg.device)
             if not is_oom(err):
                 raise
             stop = f"out of memory at T={T}"
@@ -80,6 +79,7 @@ def check_seqlen(cfg: Config) -> Result:
         best = min(best, per_token)
         reached = T
         T *= 2
+    _release(cfg.device)  # what an out-of-memory error held
     status = PASS if stop is None else FAIL
     shape_txt = f"B=1 H={dims['H']} HV={dims['HV']} K={dims['K']} V={dims['V']} {str(dtype).replace('torch.', '')}"
     last = rows[-1] if rows else None
@@ -125,12 +125,12 @@ def check_batch(cfg: Config) -> Result:
     for B in batches:
         try:
             rows[B] = throughput(B)
-        except Exception as err:  # noqa: BLE001
-            _release(cfg.device)
+        except Exception as err:  # noqa: BLE001 -- out of memory ends the sweep, anything else is a failure
             if not is_oom(err):
                 raise
             stop = f"out of memory at B={B}"
             break
+    _release(cfg.device)
     drops = []
     measured = list(rows)
     for i, B in enumerate(measured):

@@ -28,8 +28,8 @@ class TinyModel(nn.Module):
         self.mixer = gated_delta.GatedDeltaNet(hidden, heads, head_dim=head_dim, head_v_dim=head_dim, layer_idx=0)
         self.readout = nn.Linear(hidden, hidden)
 
-    def forward(self, x, cu_seqlens=None):
-        y, _ = self.mixer(x, cu_seqlens=cu_seqlens)
+    def forward(self, x):
+        y, _ = self.mixer(x)
         return self.readout(x + y)
 
 
