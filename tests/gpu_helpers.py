@@ -47,7 +47,12 @@ def make_inputs(B, T, H, HV, K, V, dtype, device="cuda", h0=True, cu_seqlens=Non
 
 
 def reference(inputs, d_o=None, d_ht=None, grads=True):
-    """float64 reference (the token loop) of o, the final state and, given d_o / d_ht, every gradient."""
+    """float64 reference (the token loop) of o, the final state and, given d_o / d_ht, every gradient.
+
+    With use_qk_l2norm_in_kernel and 16-bit inputs the op layer (csrc/op_impl.h) hands the kernels the normalised
+    q, k rounded back to the input dtype; the reference rounds them the same way (straight through for the
+    gradient, as the op layer's chain rule does), so that the comparison measures the kernels.
+    """
     from gated_delta.reference import gated_delta_rule_ref
 
     names = [n for n in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
@@ -58,7 +63,15 @@ def reference(inputs, d_o=None, d_ht=None, grads=True):
             x64[n] = x.detach().double().requires_grad_(grads and n in names)
         else:
             x64[n] = x
-    o, ht = gated_delta_rule_ref(**x64, output_final_state=True)
+    call = dict(x64)
+    dt = inputs["q"].dtype
+    if call.get("use_qk_l2norm_in_kernel") and dt in (torch.bfloat16, torch.float16):
+        for n in ("q", "k"):
+            x = call[n]
+            u = x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+            call[n] = u + (u.float().to(dt).double() - u).detach()
+        call["use_qk_l2norm_in_kernel"] = False
+    o, ht = gated_delta_rule_ref(**call, output_final_state=True)
     res = {"o": o.detach(), "ht": ht.detach()}
     if grads:
         loss = (o * d_o.double()).sum() + (ht * d_ht.double()).sum()
@@ -87,13 +100,14 @@ def run_ours(inputs, d_o=None, d_ht=None, algorithm="chunk", grads=True, **extra
     return res
 
 
-def _sanitize_main():
+def _sanitize_main(small=False):
     """A small forward + backward touching every kernel family (chunk and scan, varlen, K = 256)."""
     torch.manual_seed(0)
+    configs = [(2, 70, 1, 2, 64, 128, None, torch.bfloat16),
+               (1, 150, 1, 1, 128, 64, [0, 20, 20, 150], torch.bfloat16),
+               (1, 66, 1, 1, 256, 64, None, torch.float32)]
     for algo in ("chunk", "scan"):
-        for (B, T, H, HV, K, V, cu) in ((2, 70, 1, 2, 64, 128, None), (1, 150, 1, 1, 128, 64, [0, 20, 20, 150]),
-                                        (1, 66, 1, 1, 256, 64, None)):
-            for dtype in (torch.bfloat16, torch.float32):
+        for (B, T, H, HV, K, V, cu, dtype) in (configs[1:2] if small else configs):
                 inp = make_inputs(B, T, H, HV, K, V, dtype, cu_seqlens=cu)
                 N = B if cu is None else len(cu) - 1
                 d_o = torch.randn(B, T, HV, V, device="cuda").to(dtype)
@@ -104,4 +118,4 @@ def _sanitize_main():
 
 
 if __name__ == "__main__":
-    sys.exit(_sanitize_main())
+    sys.exit(_sanitize_main(small="small" in sys.argv[1:]))

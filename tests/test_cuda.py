@@ -26,7 +26,7 @@ TOL = {
 # B, T, H, HV, K, V, initial state, cu_seqlens, in-kernel options
 CASES = {
     "T63_K64_V128_gqa": (2, 63, 2, 4, 64, 128, True, None, False),
-    "T1": (1, 1, 1, 1, 128, 64, False, None, False),
+    "T1": (3, 1, 2, 4, 128, 64, False, None, False),
     "T65_K128": (2, 65, 2, 2, 128, 128, True, None, False),
     "T1000": (1, 1000, 1, 2, 128, 128, True, None, False),
     "K256_V64": (1, 130, 1, 2, 256, 64, True, None, False),

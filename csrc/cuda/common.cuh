@@ -18,8 +18,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <map>
 #include <mutex>
-#include <set>
 #include <type_traits>
 #include <utility>
 
@@ -30,17 +30,19 @@ namespace cuda {
 
 constexpr int C = kChunk;
 
-// Raises a kernel's dynamic shared-memory limit once per device (cheap and outside any stream capture afterwards).
+// Raises a kernel's dynamic shared-memory limit when a launch needs more than was set before on this device
+// (the attribute call is cheap; remembered so that steady-state launches, and graph captures, skip it).
 inline cudaError_t set_max_smem(const void* kernel, size_t bytes) {
   static std::mutex mu;
-  static std::set<std::pair<const void*, int>> done;
+  static std::map<std::pair<const void*, int>, size_t> done;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   std::lock_guard<std::mutex> lock(mu);
-  if (done.count({kernel, dev})) return cudaSuccess;
+  auto it = done.find({kernel, dev});
+  if (it != done.end() && it->second >= bytes) return cudaSuccess;
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (e == cudaSuccess) done.insert({kernel, dev});
+  if (e == cudaSuccess) done[{kernel, dev}] = bytes;
   return e;
 }
 
@@ -343,12 +345,17 @@ __device__ __forceinline__ Unit get_unit(const Params& p, int u) {
 }
 
 // ---- (I + M)^-1 for a strictly lower-triangular 64 x 64 fp32 M in shared memory (ld 65), 128 threads ----
-// Diagonal 16 x 16 blocks by forward substitution (one column per thread), then the off-diagonal blocks by
-// distance: X_IJ = -X_II sum_{J <= m < I} M_Im X_mJ. Result in Tf (ld 65); Pf is 3 * 256 floats of scratch.
+// Diagonal 16 x 16 blocks by forward substitution (one column per thread), then two merge levels on tensor cores
+// in split bf16x3 (about fp32 accuracy):  [[A, 0], [C, B]]^-1 = [[A^-1, 0], [-B^-1 C A^-1, B^-1]]
+// (16 -> 32 for the two diagonal 32-blocks, then 32 -> 64). Result in Tf (ld 65); Pf: kInvScratch floats.
+constexpr int kInvScratch = 32 * 33;
 __device__ __forceinline__ void block_inverse(const float* Mf, float* Tf, float* Pf, int tid) {
   constexpr int LD = C + 1;
-  for (int i = tid; i < C * C; i += 128) Tf[(i / C) * LD + (i % C)] = 0.f;
-  __syncthreads();
+  const int warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
+  for (int e = tid; e < C * C; e += 128) {
+    const int i = e >> 6, j = e & 63;
+    if ((i >> 4) < (j >> 4)) Tf[i * LD + j] = 0.f;
+  }
   if (tid < 64) {
     const int b = tid >> 4, col = tid & 15, o = 16 * b;
     float x[16];
@@ -363,26 +370,69 @@ __device__ __forceinline__ void block_inverse(const float* Mf, float* Tf, float*
     for (int i = 0; i < 16; ++i) Tf[(o + i) * LD + o + col] = x[i];
   }
   __syncthreads();
-#pragma unroll 1
-  for (int d = 1; d < 4; ++d) {
-    const int nb = 4 - d;  // blocks (I, J = I - d), I = d..3
-    for (int e = tid; e < nb * 256; e += 128) {
-      const int bi = e >> 8, r = (e >> 4) & 15, cc = e & 15;
-      const int I = bi + d, J = bi;
-      float acc = 0.f;
-      for (int m = J * 16; m < I * 16; ++m) acc += Mf[(I * 16 + r) * LD + m] * Tf[m * LD + J * 16 + cc];
-      Pf[e] = acc;
+  if (warp < 2) {  // 16 -> 32: rows r1 = r0 + 16 against columns r0 of the diagonal 32-block r0
+    const int r0 = 32 * warp, r1 = r0 + 16;
+    float* Pw = Pf + warp * (16 * 17);
+    float acc[2][4];
+    zero_acc(acc);
+    {
+      const FragA<float> a = lda<float>(Mf, LD, r1, r0);
+      FragB<float> b[2];
+      ldb_t<float>(b, Tf, LD, r0, r0);
+      mma<float>(acc[0], a, b[0]);
+      mma<float>(acc[1], a, b[1]);
     }
-    __syncthreads();
-    for (int e = tid; e < nb * 256; e += 128) {
-      const int bi = e >> 8, r = (e >> 4) & 15, cc = e & 15;
-      const int I = bi + d, J = bi;
-      float acc = 0.f;
-      for (int m = 0; m <= r; ++m) acc += Tf[(I * 16 + r) * LD + I * 16 + m] * Pf[(bi << 8) + m * 16 + cc];
-      Tf[(I * 16 + r) * LD + J * 16 + cc] = -acc;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) Pw[(g8 + 8 * (e >> 1)) * 17 + 8 * nt + 2 * q + (e & 1)] = acc[nt][e];
+    __syncwarp();
+    zero_acc(acc);
+    {
+      const FragA<float> a = lda<float>(Tf, LD, r1, r1);
+      FragB<float> b[2];
+      ldb_t<float>(b, Pw, 17, 0, 0);
+      mma<float>(acc[0], a, b[0]);
+      mma<float>(acc[1], a, b[1]);
     }
-    __syncthreads();
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) Tf[(r1 + g8 + 8 * (e >> 1)) * LD + r0 + 8 * nt + 2 * q + (e & 1)] = -acc[nt][e];
   }
+  __syncthreads();
+  // 32 -> 64: P = M[32:, :32] A^-1, then X = -B^-1 P; warp w owns the 16 x 16 block (mt = w / 2, nh = w % 2)
+  const int mt = warp >> 1, nh = warp & 1;
+  float acc[2][4];
+  zero_acc(acc);
+#pragma unroll
+  for (int kt = 0; kt < 2; ++kt) {
+    const FragA<float> a = lda<float>(Mf, LD, 32 + 16 * mt, 16 * kt);
+    FragB<float> b[2];
+    ldb_t<float>(b, Tf, LD, 16 * kt, 16 * nh);
+    mma<float>(acc[0], a, b[0]);
+    mma<float>(acc[1], a, b[1]);
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) Pf[(16 * mt + g8 + 8 * (e >> 1)) * 33 + 16 * nh + 8 * nt + 2 * q + (e & 1)] = acc[nt][e];
+  __syncthreads();
+  zero_acc(acc);
+#pragma unroll
+  for (int kt = 0; kt < 2; ++kt) {
+    const FragA<float> a = lda<float>(Tf, LD, 32 + 16 * mt, 32 + 16 * kt);
+    FragB<float> b[2];
+    ldb_t<float>(b, Pf, 33, 16 * kt, 16 * nh);
+    mma<float>(acc[0], a, b[0]);
+    mma<float>(acc[1], a, b[1]);
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      Tf[(32 + 16 * mt + g8 + 8 * (e >> 1)) * LD + 16 * nh + 8 * nt + 2 * q + (e & 1)] = -acc[nt][e];
+  __syncthreads();
 }
 
 // warp-wide inclusive prefix sum

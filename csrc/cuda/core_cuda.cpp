@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "../checks.h"
@@ -24,14 +25,31 @@ constexpr int kC = cuda::kChunk;
 void check_cuda_limits(const CoreArgs& a) {
   const int64_t K = a.head_k(), V = a.head_v();
   auto ok = [](int64_t d) { return d == 64 || d == 128 || d == 256; };
-  TORCH_CHECK(ok(K) && ok(V), "gated_delta CUDA kernels support head dims K and V in {64, 128, 256} only, got K = ",
-              K, ", V = ", V);
+  // (the message is formatted with std::to_string: streaming integers into c10::str crashed in one toolchain mix)
+  TORCH_CHECK(ok(K) && ok(V), std::string("gated_delta CUDA kernels support head dims K and V in {64, 128, 256} only, "
+                                          "got K = ") + std::to_string(K) + ", V = " + std::to_string(V));
   const auto st = a.q.scalar_type();
   TORCH_CHECK(st == at::kBFloat16 || st == at::kHalf || st == at::kFloat,
-              "gated_delta CUDA kernels support bfloat16, float16 and float32 inputs, got ", st);
+              std::string("gated_delta CUDA kernels support bfloat16, float16 and float32 inputs, got ") +
+                  c10::toString(st));
   TORCH_CHECK(a.seqlen() * std::max(a.num_qk_heads(), a.num_v_heads()) < (int64_t(1) << 31) &&
                   a.batch() * a.seqlen() < (int64_t(1) << 31),
               "gated_delta CUDA kernels: B * T * heads must stay below 2^31");
+}
+
+// The values of a host copy of cu_seqlens: starts at 0, never decreases, ends at T (messages built with
+// std::to_string, see check_cuda_limits).
+void check_cu_seqlens_host(const at::Tensor& cu_host, int64_t T) {
+  const int64_t* c = cu_host.data_ptr<int64_t>();
+  const int64_t n = cu_host.size(0);
+  TORCH_CHECK(c[0] == 0, std::string("cu_seqlens must start at 0, got ") + std::to_string(c[0]));
+  for (int64_t i = 1; i < n; ++i) {
+    TORCH_CHECK(c[i] >= c[i - 1], std::string("cu_seqlens must be non-decreasing, got cu_seqlens[") +
+                                      std::to_string(i) + "] = " + std::to_string(c[i]) + " < cu_seqlens[" +
+                                      std::to_string(i - 1) + "] = " + std::to_string(c[i - 1]));
+  }
+  TORCH_CHECK(c[n - 1] == T, std::string("cu_seqlens must end at T = ") + std::to_string(T) +
+                                 " (the packed length), got " + std::to_string(c[n - 1]));
 }
 
 int dtype_code(at::ScalarType t) {
@@ -100,7 +118,7 @@ Layout make_layout(const CoreArgs& a) {
   at::Tensor cu_host = a.cu_seqlens_cpu;
   if (!cu_host.defined()) {
     cu_host = a.cu_seqlens.to(at::kCPU).to(at::kLong).contiguous();  // one device->host copy
-    check_cu_seqlens_values(cu_host, T, "cu_seqlens");
+    check_cu_seqlens_host(cu_host, T);
   }
   cu_host = cu_host.to(at::kLong).contiguous();
   const int64_t* cu = cu_host.data_ptr<int64_t>();
@@ -179,6 +197,9 @@ Params base_params(const CoreArgs& a, const Layout& L) {
   p.num_units = L.num_units;
   p.seg = L.seg;
   p.segs_per_seq = L.segs_per_seq;
+  // 32-column state tiles when 64-column ones would leave multiprocessors idle in the sequential kernels
+  const int64_t ctas64 = static_cast<int64_t>(L.num_units) * p.HV * (p.V / 64);
+  p.tile32 = ctas64 < num_sms(a.q) ? 1 : 0;
   return p;
 }
 
@@ -282,9 +303,11 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   at::Tensor U = at::empty({NC, HV, kC, V}, opts);
   at::Tensor A = at::empty({NC, HV, kC, kC}, opts);
   at::Tensor gam = at::empty({NC, HV, kC}, fopts);
+  at::Tensor Tm = at::empty({NC, HV, kC, kC}, opts);
   p.W = W.data_ptr();
   p.U = U.data_ptr();
   p.A = A.data_ptr();
+  p.Tm = Tm.data_ptr();
   p.gam = gam.data_ptr<float>();
   cuda::launch_prep(p, dt, stream);
 
@@ -365,7 +388,8 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   p.dv = gr.dv.data_ptr<float>();
   p.dg = gr.dg.data_ptr<float>();
   p.dbeta = gr.dbeta.data_ptr<float>();
-  cuda::launch_grad(p, dt, stream);
+  cuda::launch_grad_qk(p, dt, stream);
+  cuda::launch_grad_wy(p, dt, stream);
   gr.d_initial_state = dh0;
   return gr;
 }

@@ -39,6 +39,7 @@ struct Params {
   int num_units;
   int seg;               // chunks per unit (equal-length)
   int segs_per_seq;      // units per sequence (equal-length)
+  int tile32;            // state kernels: 32-column tiles of the state (more CTAs) instead of 64
 
   // inputs
   const void* q;
@@ -52,6 +53,7 @@ struct Params {
   void* W;
   void* U;
   void* A;
+  void* Tm;               // [NC, HV, C, C] (I + M)^-1, written by the preparation when non-null (backward)
   float* gam;
   void* hT;
   void* VnT;
@@ -84,7 +86,8 @@ void launch_state_fwd(const Params& p, int dtype, int mode, void* stream);
 void launch_state_rev(const Params& p, int dtype, int mode, void* stream);
 // reverse = 0: forward composition (start states, final state), 1: reverse (gradients)
 void launch_combine(const Params& p, int reverse, void* stream);
-void launch_grad(const Params& p, int dtype, void* stream);
+void launch_grad_qk(const Params& p, int dtype, void* stream);  // first, writes dq and the first part of dk
+void launch_grad_wy(const Params& p, int dtype, void* stream);  // then, adds into dk
 
 }  // namespace cuda
 }  // namespace gated_delta

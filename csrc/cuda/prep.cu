@@ -14,7 +14,9 @@ template <class St, int K>
 struct PrepSmem {
   static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD;
   static constexpr int R1 = (C * LDK > 2 * C * LDC) ? C * LDK : 2 * C * LDC;  // Q, later Tm diag(.) tiles
-  static constexpr size_t bytes = sizeof(St) * (size_t)(C * LDK + R1 + C * LDC) + sizeof(float) * (3 * C * (C + 1) + 768 + 2 * C);
+  // fp32 region: Mf, Tf (the V tile reuses it once the inverse is done), inverse scratch, gam, beta, beta e^gam
+  static constexpr size_t bytes = sizeof(St) * (size_t)(C * LDK + R1) + sizeof(float) * (2 * C * (C + 1) + kInvScratch + 3 * C);
+  static_assert(sizeof(St) * C * LDC <= sizeof(float) * 2 * C * (C + 1), "V tile must fit over Mf and Tf");
 };
 
 template <class St, int K>
@@ -24,12 +26,13 @@ __global__ void __launch_bounds__(128) prep_kernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   St* Ks = reinterpret_cast<St*>(smem);
   St* R1 = Ks + C * LDK;
-  St* Vs = R1 + S::R1;
-  float* Mf = reinterpret_cast<float*>(Vs + C * LDC);
+  float* Mf = reinterpret_cast<float*>(R1 + S::R1);
   float* Tf = Mf + C * LDF;
+  St* Vs = reinterpret_cast<St*>(Mf);  // after the inverse
   float* Pf = Tf + C * LDF;
-  float* gam = Pf + 768;
+  float* gam = Pf + kInvScratch;
   float* bet = gam + C;
+  float* beg = bet + C;
 
   const int c = blockIdx.x, hv = blockIdx.y, h = hv / p.G;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
@@ -41,8 +44,6 @@ __global__ void __launch_bounds__(128) prep_kernel(const Params p) {
   const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V;
   load_tile<St, C, K, 128>(Ks, LDK, kg, static_cast<int64_t>(p.H) * K, ci.len, tid);
   load_tile<St, C, K, 128>(R1, LDK, qg, static_cast<int64_t>(p.H) * K, ci.len, tid);
-  cp_async_commit();
-  load_tile<St, C, C, 128>(Vs, LDC, vg, static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
   cp_async_commit();
 
   if (warp == 0) {
@@ -58,8 +59,10 @@ __global__ void __launch_bounds__(128) prep_kernel(const Params p) {
     gam[i1] = y0 + a1;
     bet[i0] = b0;
     bet[i1] = b1;
+    beg[i0] = b0 * __expf(y0);
+    beg[i1] = b1 * __expf(y0 + a1);
   }
-  cp_async_wait<1>();
+  cp_async_wait<0>();
   __syncthreads();
 
   // K K^T and Q K^T: each warp 16 rows x 64 columns
@@ -103,14 +106,19 @@ __global__ void __launch_bounds__(128) prep_kernel(const Params p) {
   // Tm diag(beta) and Tm diag(beta e^gam) as operand tiles (Q is no longer needed: reuse its space)
   St* TmB = R1;
   St* TmBG = R1 + C * LDC;
+  St* Tmg = p.Tm != nullptr ? static_cast<St*>(p.Tm) + chv * C * C : nullptr;
   for (int e = tid; e < C * C; e += 128) {
     const int i = e / C, j = e % C;
-    const float t = Tf[i * LDF + j] * bet[j];
-    TmB[i * LDC + j] = from_f<St>(t);
-    TmBG[i * LDC + j] = from_f<St>(t * __expf(gam[j]));
+    const float t = Tf[i * LDF + j];
+    TmB[i * LDC + j] = from_f<St>(t * bet[j]);
+    TmBG[i * LDC + j] = from_f<St>(t * beg[j]);
+    if (Tmg != nullptr) Tmg[e] = from_f<St>(t);
   }
   if (tid < C) p.gam[chv * C + tid] = gam[tid];
   __syncthreads();
+  // the V tile goes where M and Tm were
+  load_tile<St, C, C, 128>(Vs, LDC, vg, static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
+  cp_async_commit();
 
   // W = (Tm diag(beta e^gam)) K, in 64-column blocks
   St* Wg = static_cast<St*>(p.W) + chv * C * K;

@@ -1,0 +1,361 @@
+"""GPU benchmark of gated_delta against flash-linear-attention (FLA) on the shapes of DESIGN.md section 5.
+
+bf16, K = V = 128. For each shape: forward and forward+backward time (median of CUDA-event timings after warm-up,
+rotating several input sets), peak extra memory of forward+backward, and FLA's chunk_gated_delta_rule side by side
+in the same process when it is importable. Relative errors against a float64 reference are measured on a
+T = 1024 slice of each head configuration (the reference is the token loop, run in float64 on the GPU). Cold start
+is the wall time of a fresh process importing the package and running a first forward+backward.
+
+    python benchmarks/bench_gpu.py --out DIR [--no-fla] [--reps 20] [--rows 1x32768:16:64,...]
+
+Writes DIR/bench_gpu.md (tables), DIR/bench_gpu.json and DIR/bench_gpu.png (time vs tokens).
+FLA 0.6's gated backward refuses to run on Hopper with Triton < 3.7.1 (a correctness concern of its dq/dk kernel on
+those Triton versions); for timing only the benchmark lifts that guard and says so in its output.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+DEFAULT_ROWS = "1x32768:16:64,4x8192:16:64,1x32768:16:32,8x4096:16:32,1x8192:16:32,1x32768:2:8,1x8192:4:8"
+K = V = 128
+
+
+def parse_rows(s):
+    rows = []
+    for item in s.split(","):
+        bt, h, hv = item.split(":")
+        b, t = bt.split("x")
+        rows.append((int(b), int(t), int(h), int(hv)))
+    return rows
+
+
+def make(B, T, H, HV, seed, requires_grad=False):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1).bfloat16()
+    v = torch.randn(B, T, HV, V, device="cuda", generator=gen).bfloat16()
+    g = F.logsigmoid(torch.randn(B, T, HV, device="cuda", generator=gen) + 3.0)
+    beta = torch.sigmoid(torch.randn(B, T, HV, device="cuda", generator=gen)).bfloat16()
+    do = torch.randn(B, T, HV, V, device="cuda", generator=gen).bfloat16()
+    xs = [q, k, v, g, beta]
+    if requires_grad:
+        xs = [x.requires_grad_() for x in xs]
+    return xs, do
+
+
+def load_fla():
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception as e:  # noqa: BLE001
+        print(f"FLA not importable: {e!r}")
+        return None, None
+    note = None
+    if hasattr(chunk_o, "TRITON_ABOVE_3_7_1") and not chunk_o.TRITON_ABOVE_3_7_1:
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+        note = "FLA's Hopper/Triton<3.7.1 guard of its gated backward was lifted for timing"
+    return chunk_gated_delta_rule, note
+
+
+def impls(use_fla):
+    from gated_delta import gated_delta_rule
+
+    out = {"ours": lambda q, k, v, g, b: gated_delta_rule(q, k, v, g, b, scale=K ** -0.5)[0]}
+    note = None
+    if use_fla:
+        fla, note = load_fla()
+        if fla is not None:
+            out["fla"] = lambda q, k, v, g, b: fla(q, k, v, g, b, scale=K ** -0.5)[0]
+    return out, note
+
+
+def time_fn(fn, sets, reps, warmup=3):
+    for i in range(warmup):
+        fn(*sets[i % len(sets)])
+    torch.cuda.synchronize()
+    times = []
+    for r in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        args = sets[r % len(sets)]
+        a.record()
+        fn(*args)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def bench_row(row, fns, reps, nsets, skip=()):
+    B, T, H, HV = row
+    res = {}
+    fwd_sets = [make(B, T, H, HV, seed=s)[0] for s in range(nsets)]
+    bwd_sets = [make(B, T, H, HV, seed=100 + s, requires_grad=True) for s in range(nsets)]
+    for name, f in fns.items():
+        if name in skip:
+            continue
+        with torch.no_grad():
+            t_f = time_fn(lambda *x: f(*x), fwd_sets, reps)
+
+        def fb(xs, do):
+            for x in xs:
+                x.grad = None  # time the gradients, not their accumulation
+            o = f(*xs)
+            o.backward(do)
+
+        t_fb = time_fn(lambda xs, do: fb(xs, do), bwd_sets, reps)
+        for xs, _ in bwd_sets:
+            for x in xs:
+                x.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fb(*bwd_sets[0])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        for x in bwd_sets[0][0]:
+            x.grad = None
+        res[name] = {"fwd_ms": t_f, "fwdbwd_ms": t_fb, "peak_extra_gib": peak / 2 ** 30}
+        print(f"  {name:5s} {B}x{T} H={H} HV={HV}: fwd {t_f:.3f} ms  fwd+bwd {t_fb:.3f} ms  "
+              f"peak extra {peak / 2**30:.2f} GiB", flush=True)
+    del fwd_sets, bwd_sets
+    torch.cuda.empty_cache()
+    return res
+
+
+def profile(row, fns):
+    """Per-kernel CUDA time of one forward+backward (after warm-up), for each implementation."""
+    B, T, H, HV = row
+    xs, do = make(B, T, H, HV, seed=5, requires_grad=True)
+    for name, f in fns.items():
+        for _ in range(2):
+            f(*xs).backward(do)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            f(*xs).backward(do)
+            torch.cuda.synchronize()
+        tot = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                key = e.name[:90]
+                tot[key] = tot.get(key, 0.0) + e.device_time_total / 1000.0
+        print(f"  profile {name} {B}x{T} H={H} HV={HV}: total {sum(tot.values()):.3f} ms")
+        for key, ms in sorted(tot.items(), key=lambda kv: -kv[1])[:14]:
+            print(f"    {ms:8.3f} ms  {key}")
+        for x in xs:
+            x.grad = None
+
+
+def errors(H, HV, fns, T=1024):
+    from gpu_helpers import reference, rel_err
+
+    xs, do = make(1, T, H, HV, seed=999)
+    inp = dict(q=xs[0], k=xs[1], v=xs[2], g=xs[3], beta=xs[4])
+    ref = reference(inp, d_o=do, d_ht=torch.zeros(1, HV, K, V, device="cuda"))
+    out = {}
+    for name, f in fns.items():
+        ys = [x.detach().clone().requires_grad_() for x in xs]
+        o = f(*ys)
+        o.backward(do)
+        e = {"o": rel_err(o, ref["o"])}
+        for n, y in zip(("q", "k", "v", "g", "beta"), ys):
+            e["d" + n] = rel_err(y.grad, ref["d" + n])
+        out[name] = e
+    return out
+
+
+COLD = r"""
+import time, sys
+t0 = time.time()
+import torch
+torch.cuda.init()
+{imp}
+import torch.nn.functional as F
+q = F.normalize(torch.randn(1, 2048, 4, 128, device='cuda'), dim=-1).bfloat16().requires_grad_()
+k = F.normalize(torch.randn(1, 2048, 4, 128, device='cuda'), dim=-1).bfloat16().requires_grad_()
+v = torch.randn(1, 2048, 8, 128, device='cuda').bfloat16().requires_grad_()
+g = F.logsigmoid(torch.randn(1, 2048, 8, device='cuda') + 3).requires_grad_()
+b = torch.rand(1, 2048, 8, device='cuda').bfloat16().requires_grad_()
+o = {call}
+o.backward(torch.randn_like(o))
+torch.cuda.synchronize()
+print(time.time() - t0)
+"""
+
+
+def cold_start(which):
+    if which == "torch":  # the floor: the same process with a plain torch op instead of the gated delta rule
+        imp, call = "", "v * g[..., None] * b[..., None] + q.float().sum() + k.float().sum()"
+    elif which == "ours":
+        imp, call = "from gated_delta import gated_delta_rule", "gated_delta_rule(q, k, v, g, b)[0]"
+    else:
+        imp = ("import fla.ops.common.chunk_o as co; co.TRITON_ABOVE_3_7_1 = True\n"
+               "from fla.ops.gated_delta_rule import chunk_gated_delta_rule")
+        call = "chunk_gated_delta_rule(q, k, v, g, b)[0]"
+    try:
+        r = subprocess.run([sys.executable, "-c", COLD.format(imp=imp, call=call)], capture_output=True, text=True,
+                           timeout=900)
+        return float(r.stdout.strip().splitlines()[-1])
+    except Exception as e:  # noqa: BLE001
+        print(f"cold start of {which} failed: {e!r}")
+        return None
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, title in ((axes[0], "fwd_ms", "forward"), (axes[1], "fwdbwd_ms", "forward + backward")):
+        for name, marker in (("ours", "o"), ("fla", "s")):
+            pts = [(r["B"] * r["T"] * r["HV"], r[name][key], f'{r["B"]}x{r["T"]}/{r["H"]}/{r["HV"]}')
+                   for r in results if name in r]
+            if not pts:
+                continue
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker,
+                       label="gated_delta (CUDA)" if name == "ours" else "FLA (Triton)")
+            if name == "ours":
+                for x, y, lab in pts:
+                    ax.annotate(lab, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens x value heads (B*T*HV)")
+        ax.set_ylabel("ms (median)")
+        ax.set_title(f"{title}, bf16, K=V=128, {torch.cuda.get_device_name()}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--rows", default=DEFAULT_ROWS)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sets", type=int, default=3)
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--no-errors", action="store_true")
+    ap.add_argument("--no-cold", action="store_true")
+    ap.add_argument("--no-fla-cold", action="store_true")
+    ap.add_argument("--profile", default="", help="rows (same syntax) to break down per kernel")
+    ap.add_argument("--fla-budget-s", type=float, default=1e9,
+                    help="start no new FLA measurement after this many seconds (its JIT compilation is slow)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    fns, note = impls(not args.no_fla)
+    rows = parse_rows(args.rows)
+    import gated_delta
+
+    meta = {
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gated_delta": gated_delta.__version__,
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "note": note,
+    }
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        import fla
+
+        meta["fla"] = getattr(fla, "__version__", "?")
+    except Exception:  # noqa: BLE001
+        pass
+    print(meta, flush=True)
+    t_start = time.time()
+    for prow in (parse_rows(args.profile) if args.profile else []):
+        profile(prow, fns)
+    results = []
+    for row in rows:
+        B, T, H, HV = row
+        r = {"B": B, "T": T, "H": H, "HV": HV}
+        skip = ("fla",) if time.time() - t_start > args.fla_budget_s else ()
+        r.update(bench_row(row, fns, args.reps, args.sets, skip))
+        results.append(r)
+    errs = {}
+    if not args.no_errors:
+        for H, HV in sorted({(r[2], r[3]) for r in rows}):
+            efns = fns if time.time() - t_start <= args.fla_budget_s else {"ours": fns["ours"]}
+            errs[f"{H}/{HV}"] = errors(H, HV, efns)
+            print(f"  errors H={H} HV={HV}: {errs[f'{H}/{HV}']}", flush=True)
+    cold = {}
+    if not args.no_cold:
+        cold["torch only"] = cold_start("torch")
+        cold["ours"] = cold_start("ours")
+        if "fla" in fns and not args.no_fla_cold:
+            cold["fla"] = cold_start("fla")
+        print(f"  cold start: {cold}", flush=True)
+
+    lines = [f"Date {meta['date']}; {meta['gpu']}; torch {meta['torch']} (CUDA {meta['cuda']}); "
+             f"triton {meta.get('triton', '-')}; FLA {meta.get('fla', '-')}; gated_delta {meta['gated_delta']}.",
+             f"Command: `{meta['command']}`.", ""]
+    if note:
+        lines += [f"Note: {note}.", ""]
+    has_fla = any("fla" in r for r in results)
+    hdr = "| B x T | H | HV | fwd ms | fwd+bwd ms | peak extra GiB |"
+    sep = "|---|---|---|---|---|---|"
+    if has_fla:
+        hdr = ("| B x T | H | HV | fwd ms (FLA) | fwd speedup | fwd+bwd ms (FLA) | fwd+bwd speedup | "
+               "peak extra GiB (FLA) |")
+        sep = "|---|---|---|---|---|---|---|---|"
+    lines += [hdr, sep]
+    for r in results:
+        o = r["ours"]
+        if has_fla and "fla" in r:
+            f = r["fla"]
+            lines.append(f"| {r['B']} x {r['T']} | {r['H']} | {r['HV']} | {o['fwd_ms']:.3f} ({f['fwd_ms']:.3f}) | "
+                         f"{f['fwd_ms'] / o['fwd_ms']:.2f}x | {o['fwdbwd_ms']:.3f} ({f['fwdbwd_ms']:.3f}) | "
+                         f"{f['fwdbwd_ms'] / o['fwdbwd_ms']:.2f}x | {o['peak_extra_gib']:.2f} "
+                         f"({f['peak_extra_gib']:.2f}) |")
+        elif has_fla:
+            lines.append(f"| {r['B']} x {r['T']} | {r['H']} | {r['HV']} | {o['fwd_ms']:.3f} (-) | - | "
+                         f"{o['fwdbwd_ms']:.3f} (-) | - | {o['peak_extra_gib']:.2f} (-) |")
+        else:
+            lines.append(f"| {r['B']} x {r['T']} | {r['H']} | {r['HV']} | {o['fwd_ms']:.3f} | "
+                         f"{o['fwdbwd_ms']:.3f} | {o['peak_extra_gib']:.2f} |")
+    if has_fla and any("fla" not in r for r in results):
+        lines += ["", "(-): FLA not measured on that row (the run's time budget for FLA's JIT compilation ran out)."]
+    if errs:
+        lines += ["", "Relative L2 error against the float64 reference (B=1, T=1024, same heads):", "",
+                  "| H/HV | impl | o | dq | dk | dv | dg | dbeta |", "|---|---|---|---|---|---|---|---|"]
+        for hh, e in errs.items():
+            for name, v in e.items():
+                lines.append(f"| {hh} | {name} | " + " | ".join(f"{v[k]:.2e}" for k in
+                                                                 ("o", "dq", "dk", "dv", "dg", "dbeta")) + " |")
+    if cold:
+        lines += ["", "Cold start (fresh process: import + first forward+backward, 1x2048, H=4, HV=8): " +
+                  ", ".join(f"{k} {v:.1f} s" if v is not None else f"{k} failed" for k, v in cold.items()) +
+                  (" (FLA with the Triton cache already warm from this run)" if "fla" in cold else "")]
+    md = "\n".join(lines) + "\n"
+    print("\n" + md)
+    with open(os.path.join(args.out, "bench_gpu.md"), "w") as fh:
+        fh.write(md)
+    with open(os.path.join(args.out, "bench_gpu.json"), "w") as fh:
+        json.dump({"meta": meta, "results": results, "errors": errs, "cold": cold}, fh, indent=1)
+    plot(results, os.path.join(args.out, "bench_gpu.png"))
+
+
+if __name__ == "__main__":
+    main()

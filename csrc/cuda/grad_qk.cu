@@ -1,0 +1,261 @@
+// Chunk-parallel gradient kernels of the backward (docs/algorithms.md, "Backward of one chunk"), given the states
+// entering each chunk (hT), the state gradients leaving it (dhT), Vn^T and dVn^T from the two sequential passes.
+//
+// grad_qk: one CTA (8 warps) per (chunk, q/k head, 64-wide block of K); it loops over the value heads of the group
+// (summing dq and the first part of dk in registers: deterministic) and over 64-wide tiles of V:
+//   dA = scale dO Vn^T (masked i >= j)      dQ = scale diag(e^gam) dO S^T + (dA o E) K
+//   dK1 = (dA o E)^T Q + diag(e^{gam_L - gam}) Vn dS'^T            dW = -dVn S^T
+//   and the partial gradient of gam (per block of K).
+// (grad_wy: one CTA (4 warps) per (chunk, q/k head), looping over the group: recomputes Tm, then back through
+// W = Tm diag(beta e^gam) K and U = Tm diag(beta) V with dU = dVn:
+//   dTm = dW (diag(beta e^gam) K)^T + dU (diag(beta) V)^T,  dM = -Tm^T dTm Tm^T (strictly lower)
+//   dK += diag(beta e^gam) Tm^T dW + R K + R^T K (R = dM o beta_i E),  dV = diag(beta) Tm^T dU,  dbeta, dg.
+#include <c10/cuda/CUDAException.h>
+
+#include "common.cuh"
+#include "static_switch.h"
+
+namespace gated_delta {
+namespace cuda {
+
+// ---------------------------------------------------------------------------------------------------------------
+template <class St>
+struct QkCfg {
+  static constexpr bool F32 = sizeof(St) == 4;
+  static constexpr int STAGES = F32 ? 1 : 2;
+  static constexpr int LDC = C + PadOf<St>::value;
+  static constexpr int TILE = C * LDC;  // elements of one 64 x 64 tile
+  static constexpr size_t STAGE_BYTES = sizeof(St) * 5 * TILE;
+  static constexpr size_t bytes = STAGES * STAGE_BYTES + sizeof(St) * 4 * TILE + sizeof(float) * (64 + 2 * 64 + 2 * 64 + 4 * 64 + 8);
+};
+
+template <class St>
+__global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
+  using F = QkCfg<St>;
+  constexpr int LDC = F::LDC, TILE = F::TILE;
+  extern __shared__ __align__(16) unsigned char smem[];
+  St* qs = reinterpret_cast<St*>(smem + F::STAGES * F::STAGE_BYTES);
+  St* ksm = qs + TILE;
+  St* As = ksm + TILE;
+  St* dAEs = As + TILE;
+  float* gam = reinterpret_cast<float*>(dAEs + TILE);
+  float* rowA = gam + 64;   // [2][64]
+  float* rowK = rowA + 128; // [2][64]
+  float* colB = rowK + 128; // [4][64]
+  float* sdots = colB + 256; // [8]
+
+  const int c = blockIdx.x, h = blockIdx.y, kb = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
+  const int rg = warp & 3, chf = warp >> 2;
+  const ChunkInfo ci = chunk_info(p, c);
+  const int K = p.K, V = p.V;
+  const int64_t HK = static_cast<int64_t>(p.H) * K;
+
+  load_tile<St, C, C, 256>(qs, LDC, static_cast<const St*>(p.q) + ci.bos * HK + h * K + kb * 64, HK, ci.len, tid);
+  load_tile<St, C, C, 256>(ksm, LDC, static_cast<const St*>(p.k) + ci.bos * HK + h * K + kb * 64, HK, ci.len, tid);
+  cp_async_commit();
+
+  float dQ[4][4], dK1[4][4];
+  zero_acc(dQ);
+  zero_acc(dK1);
+  const int nvt = V / 64;
+
+#pragma unroll 1
+  for (int gi = 0; gi < p.G; ++gi) {
+    const int hv = h * p.G + gi;
+    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+    load_tile<St, C, C, 256>(As, LDC, static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
+    if (tid < 16) cp_async16(gam + 4 * tid, p.gam + chv * C + 4 * tid, true);
+    cp_async_commit();
+
+    auto issue = [&](int vt, int b) {
+      St* base = reinterpret_cast<St*>(smem + b * F::STAGE_BYTES);
+      load_tile<St, C, C, 256>(base, LDC, static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * V + vt * 64,
+                               static_cast<int64_t>(p.HV) * V, ci.len, tid);
+      load_tile<St, C, C, 256>(base + TILE, LDC, static_cast<const St*>(p.VnT) + (chv * V + vt * 64) * C, C, C, tid);
+      load_tile<St, C, C, 256>(base + 2 * TILE, LDC, static_cast<const St*>(p.dVnT) + (chv * V + vt * 64) * C, C, C,
+                               tid);
+      load_tile<St, C, C, 256>(base + 3 * TILE, LDC,
+                               static_cast<const St*>(p.hT) + (chv * V + vt * 64) * K + kb * 64, K, C, tid);
+      load_tile<St, C, C, 256>(base + 4 * TILE, LDC,
+                               static_cast<const St*>(p.dhT) + (chv * V + vt * 64) * K + kb * 64, K, C, tid);
+    };
+
+    float dA[4][4], dQs[4][4], dWn[4][4], dKt[4][4];
+    zero_acc(dA);
+    zero_acc(dQs);
+    zero_acc(dWn);
+    zero_acc(dKt);
+    float sdot = 0.f;
+#pragma unroll 1
+    for (int vt = 0; vt < nvt; ++vt) {
+      const int buf = (F::STAGES == 2) ? (vt & 1) : 0;
+      if constexpr (F::STAGES == 2) {
+        if (vt == 0) { issue(0, 0); cp_async_commit(); }
+        if (vt + 1 < nvt) { issue(vt + 1, buf ^ 1); cp_async_commit(); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
+      } else {
+        issue(vt, 0);
+        cp_async_commit();
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      St* dOs = reinterpret_cast<St*>(smem + buf * F::STAGE_BYTES);
+      St* VnTs = dOs + TILE;
+      St* dVnTs = dOs + 2 * TILE;
+      St* hTs = dOs + 3 * TILE;
+      St* dhTs = dOs + 4 * TILE;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const FragA<St> a_dO = lda<St>(dOs, LDC, 16 * rg, 16 * kk);
+        const FragA<St> a_dVn = lda_t<St>(dVnTs, LDC, 16 * rg, 16 * kk);
+        const FragA<St> a_Vn = lda_t<St>(VnTs, LDC, 16 * rg, 16 * kk);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          const int n0 = 32 * chf + 16 * np;
+          FragB<St> b[2];
+          ldb_t<St>(b, VnTs, LDC, 16 * kk, n0);
+          mma<St>(dA[2 * np], a_dO, b[0]);
+          mma<St>(dA[2 * np + 1], a_dO, b[1]);
+          ldb_t<St>(b, hTs, LDC, 16 * kk, n0);
+          mma<St>(dQs[2 * np], a_dO, b[0]);
+          mma<St>(dQs[2 * np + 1], a_dO, b[1]);
+          mma<St>(dWn[2 * np], a_dVn, b[0]);
+          mma<St>(dWn[2 * np + 1], a_dVn, b[1]);
+          ldb_t<St>(b, dhTs, LDC, 16 * kk, n0);
+          mma<St>(dKt[2 * np], a_Vn, b[0]);
+          mma<St>(dKt[2 * np + 1], a_Vn, b[1]);
+        }
+      }
+      for (int idx = tid; idx < C * C; idx += 256) {
+        const int r = idx >> 6, cc = idx & 63;
+        sdot += to_f<St>(hTs[r * LDC + cc]) * to_f<St>(dhTs[r * LDC + cc]);
+      }
+      __syncthreads();
+    }
+
+    // element-wise terms
+    float rA[2] = {0.f, 0.f}, rK[2] = {0.f, 0.f}, cB[4][2];
+    const float gL = gam[C - 1];
+    St* dWg = static_cast<St*>(p.dW) + chv * C * K + kb * 64;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      cB[nt][0] = cB[nt][1] = 0.f;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int i = 16 * rg + g8 + 8 * hr;
+        const float gi_ = gam[i];
+        const float fq = p.scale * __expf(gi_), fk = __expf(gL - gi_);
+        float dae[2];
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+          const int e = 2 * hr + e1;
+          const int col = 32 * chf + 8 * nt + 2 * q + e1;  // j for dA, k (in the block) otherwise
+          const bool low = i >= col;
+          const float dav = low ? p.scale * dA[nt][e] : 0.f;
+          const float E = low ? __expf(gi_ - gam[col]) : 0.f;
+          dae[e1] = dav * E;
+          if (kb == 0) {
+            const float t = dav * to_f<St>(As[i * LDC + col]);
+            rA[hr] += t;
+            cB[nt][e1] += t;
+          }
+          const float dqs = fq * dQs[nt][e];
+          rA[hr] += to_f<St>(qs[i * LDC + col]) * dqs;
+          dQ[nt][e] += dqs;
+          const float dkt = fk * dKt[nt][e];
+          rK[hr] += to_f<St>(ksm[i * LDC + col]) * dkt;
+          dK1[nt][e] += dkt;
+        }
+        const int col0 = 32 * chf + 8 * nt + 2 * q;
+        dAEs[i * LDC + col0] = from_f<St>(dae[0]);
+        dAEs[i * LDC + col0 + 1] = from_f<St>(dae[1]);
+        st2<St>(dWg + i * K + col0, -dWn[nt][2 * hr], -dWn[nt][2 * hr + 1]);
+      }
+    }
+    // reductions: rows over the quad, columns over the 8 row-lanes
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      rA[hr] += __shfl_xor_sync(0xffffffffu, rA[hr], 1);
+      rA[hr] += __shfl_xor_sync(0xffffffffu, rA[hr], 2);
+      rK[hr] += __shfl_xor_sync(0xffffffffu, rK[hr], 1);
+      rK[hr] += __shfl_xor_sync(0xffffffffu, rK[hr], 2);
+      if (q == 0) {
+        const int i = 16 * rg + g8 + 8 * hr;
+        rowA[chf * 64 + i] = rA[hr];
+        rowK[chf * 64 + i] = rK[hr];
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1) {
+        float x = cB[nt][e1];
+        x += __shfl_xor_sync(0xffffffffu, x, 4);
+        x += __shfl_xor_sync(0xffffffffu, x, 8);
+        x += __shfl_xor_sync(0xffffffffu, x, 16);
+        if (g8 == 0) colB[rg * 64 + 32 * chf + 8 * nt + 2 * q + e1] = x;
+      }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sdot += __shfl_xor_sync(0xffffffffu, sdot, o);
+    if (lane == 0) sdots[warp] = sdot;
+    __syncthreads();
+
+    // dQ += (dA o E) K,  dK1 += (dA o E)^T Q
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const FragA<St> a1 = lda<St>(dAEs, LDC, 16 * rg, 16 * kk);
+      const FragA<St> a2 = lda_t<St>(dAEs, LDC, 16 * rg, 16 * kk);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        const int n0 = 32 * chf + 16 * np;
+        FragB<St> b[2];
+        ldb_t<St>(b, ksm, LDC, 16 * kk, n0);
+        mma<St>(dQ[2 * np], a1, b[0]);
+        mma<St>(dQ[2 * np + 1], a1, b[1]);
+        ldb_t<St>(b, qs, LDC, 16 * kk, n0);
+        mma<St>(dK1[2 * np], a2, b[0]);
+        mma<St>(dK1[2 * np + 1], a2, b[1]);
+      }
+    }
+    if (tid < 64) {
+      const int i = tid;
+      float v = rowA[i] + rowA[64 + i] - (rowK[i] + rowK[64 + i]);
+      if (kb == 0) v -= (colB[i] + colB[64 + i]) + (colB[128 + i] + colB[192 + i]);
+      if (i == C - 1) {
+        float sd = 0.f, kd = 0.f;
+        for (int w = 0; w < 8; ++w) sd += sdots[w];
+        for (int j = 0; j < 64; ++j) kd += rowK[j] + rowK[64 + j];
+        v += __expf(gL) * sd + kd;
+      }
+      p.dgam1[((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hv) * C + i] = v;
+    }
+    __syncthreads();
+  }
+
+  // store dq and the first part of dk (fp32, valid rows only)
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int i = 16 * rg + g8 + 8 * hr;
+      if (i < ci.len) {
+        const int64_t off = (ci.bos + i) * HK + h * K + kb * 64 + 32 * chf + 8 * nt + 2 * q;
+        *reinterpret_cast<float2*>(p.dq + off) = make_float2(dQ[nt][2 * hr], dQ[nt][2 * hr + 1]);
+        *reinterpret_cast<float2*>(p.dk + off) = make_float2(dK1[nt][2 * hr], dK1[nt][2 * hr + 1]);
+      }
+    }
+}
+
+void launch_grad_qk(const Params& p, int dtype, void* stream) {
+  if (p.NC == 0) return;
+  GD_DTYPE_SWITCH(dtype, St, [&] {
+    using F = QkCfg<St>;
+    auto kern = grad_qk_kernel<St>;
+    C10_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
+    kern<<<dim3(p.NC, p.H, p.K / 64), 256, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace cuda
+}  // namespace gated_delta

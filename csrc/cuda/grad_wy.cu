@@ -1,0 +1,372 @@
+// Chunk-parallel gradient kernels of the backward (docs/algorithms.md, "Backward of one chunk"), given the states
+// entering each chunk (hT), the state gradients leaving it (dhT), Vn^T and dVn^T from the two sequential passes.
+//
+// grad_qk: one CTA (8 warps) per (chunk, q/k head, 64-wide block of K); it loops over the value heads of the group
+// (summing dq and the first part of dk in registers: deterministic) and over 64-wide tiles of V:
+//   dA = scale dO Vn^T (masked i >= j)      dQ = scale diag(e^gam) dO S^T + (dA o E) K
+//   dK1 = (dA o E)^T Q + diag(e^{gam_L - gam}) Vn dS'^T            dW = -dVn S^T
+//   and the partial gradient of gam (per block of K).
+// grad_wy: one CTA (4 warps) per (chunk, q/k head), looping over the group: recomputes Tm, then back through
+// W = Tm diag(beta e^gam) K and U = Tm diag(beta) V with dU = dVn:
+//   dTm = dW (diag(beta e^gam) K)^T + dU (diag(beta) V)^T,  dM = -Tm^T dTm Tm^T (strictly lower)
+//   dK += diag(beta e^gam) Tm^T dW + R K + R^T K (R = dM o beta_i E),  dV = diag(beta) Tm^T dU,  dbeta, dg.
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+
+#include "common.cuh"
+#include "static_switch.h"
+
+namespace gated_delta {
+namespace cuda {
+
+// ---------------------------------------------------------------------------------------------------------------
+template <class St, int K>
+struct WyCfg {
+  static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD, LDF = C + 1, TILE = C * LDC;
+  static constexpr size_t base_bytes =
+      sizeof(St) * (size_t)(C * LDK + 2 * TILE) + sizeof(float) * (C * LDF + 3 * 64 + 4 * 64);
+  // RES: every 64-column block of dW, dVn^T and V of one value head stays resident; else two streamed buffers
+  static size_t bytes(bool res, int V) {
+    return base_bytes + sizeof(St) * TILE * (res ? (K / 64 + 2 * (V / 64)) : 2);
+  }
+};
+
+template <class St, int K, bool RES>
+__global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
+  using F = WyCfg<St, K>;
+  constexpr int LDK = F::LDK, LDC = F::LDC, LDF = F::LDF, TILE = F::TILE;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int V = p.V, NVB = V / 64;
+  St* Ks = reinterpret_cast<St*>(smem);
+  St* TmS = Ks + C * LDK;
+  St* dTmS = TmS + TILE;  // later R
+  St* RS = dTmS;
+  float* KKf = reinterpret_cast<float*>(dTmS + TILE);
+  float* gam = KKf + C * LDF;
+  float* bet = gam + 64;
+  float* rowv = bet + 64;
+  float* colv = rowv + 64;  // [4][64]
+  St* blk = reinterpret_cast<St*>(colv + 256);
+  // RES: dW blocks [K/64], dVn^T blocks [V/64], V blocks [V/64];  streamed: blkA, blkB
+  St* dWr = blk;
+  St* dVr = blk + (K / 64) * TILE;
+  St* Vr = dVr + NVB * TILE;
+
+  const int c = blockIdx.x, h = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
+  const ChunkInfo ci = chunk_info(p, c);
+  const int64_t HK = static_cast<int64_t>(p.H) * K;
+
+  load_tile<St, C, K, 128>(Ks, LDK, static_cast<const St*>(p.k) + ci.bos * HK + h * K, HK, ci.len, tid);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  {  // K K^T (independent of the value head)
+    float kk[8][4];
+    zero_acc(kk);
+#pragma unroll 2
+    for (int kt = 0; kt < K / 16; ++kt) {
+      const FragA<St> a = lda<St>(Ks, LDK, 16 * warp, 16 * kt);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        FragB<St> b[2];
+        ldb<St>(b, Ks, LDK, 16 * np, 16 * kt);
+        mma<St>(kk[2 * np], a, b[0]);
+        mma<St>(kk[2 * np + 1], a, b[1]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        KKf[(16 * warp + g8 + 8 * (e >> 1)) * LDF + 8 * nt + 2 * q + (e & 1)] = kk[nt][e];
+  }
+
+#pragma unroll 1
+  for (int gi = 0; gi < p.G; ++gi) {
+    const int hv = h * p.G + gi;
+    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+    const St* dWg = static_cast<const St*>(p.dW) + chv * C * K;
+    const St* dVnTg = static_cast<const St*>(p.dVnT) + chv * V * C;
+    const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * V;
+    if (tid < 64) {
+      gam[tid] = p.gam[chv * C + tid];
+      bet[tid] = tid < ci.len ? p.beta[(ci.bos + tid) * p.HV + hv] : 0.f;
+    }
+    load_tile<St, C, C, 128>(TmS, LDC, static_cast<const St*>(p.Tm) + chv * C * C, C, C, tid);
+    if constexpr (RES) {
+      for (int kb = 0; kb < K / 64; ++kb) load_tile<St, C, C, 128>(dWr + kb * TILE, LDC, dWg + kb * 64, K, C, tid);
+      for (int vb = 0; vb < NVB; ++vb) {
+        load_tile<St, C, C, 128>(dVr + vb * TILE, LDC, dVnTg + static_cast<int64_t>(vb) * 64 * C, C, C, tid);
+        load_tile<St, C, C, 128>(Vr + vb * TILE, LDC, vg + vb * 64, static_cast<int64_t>(p.HV) * V, ci.len, tid);
+      }
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    auto get_dW = [&](int kb) -> const St* {
+      if constexpr (RES) return dWr + kb * TILE;
+      __syncthreads();
+      load_tile<St, C, C, 128>(blk, LDC, dWg + kb * 64, K, C, tid);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      return blk;
+    };
+    auto get_dU_V = [&](int vb, const St*& dU, const St*& Vb, bool need_v) {
+      if constexpr (RES) {
+        dU = dVr + vb * TILE;
+        Vb = Vr + vb * TILE;
+        return;
+      }
+      __syncthreads();
+      load_tile<St, C, C, 128>(blk, LDC, dVnTg + static_cast<int64_t>(vb) * 64 * C, C, C, tid);
+      if (need_v) load_tile<St, C, C, 128>(blk + TILE, LDC, vg + vb * 64, static_cast<int64_t>(p.HV) * V, ci.len, tid);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      dU = blk;
+      Vb = blk + TILE;
+    };
+
+    // dTm = (dW K^T) diag(beta e^gam) + (dU V^T) diag(beta)
+    float aW[8][4], aU[8][4];
+    zero_acc(aW);
+    zero_acc(aU);
+#pragma unroll 1
+    for (int kb = 0; kb < K / 64; ++kb) {
+      const St* bA = get_dW(kb);
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) {
+        const FragA<St> a = lda<St>(bA, LDC, 16 * warp, 16 * kt);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          FragB<St> b[2];
+          ldb<St>(b, Ks, LDK, 16 * np, kb * 64 + 16 * kt);
+          mma<St>(aW[2 * np], a, b[0]);
+          mma<St>(aW[2 * np + 1], a, b[1]);
+        }
+      }
+    }
+#pragma unroll 1
+    for (int vb = 0; vb < NVB; ++vb) {
+      const St *dU, *Vb;
+      get_dU_V(vb, dU, Vb, true);
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) {
+        const FragA<St> a = lda_t<St>(dU, LDC, 16 * warp, 16 * kt);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          FragB<St> b[2];
+          ldb<St>(b, Vb, LDC, 16 * np, 16 * kt);
+          mma<St>(aU[2 * np], a, b[0]);
+          mma<St>(aU[2 * np + 1], a, b[1]);
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * warp + g8 + 8 * (e >> 1), j = 8 * nt + 2 * q + (e & 1);
+        dTmS[i * LDC + j] = from_f<St>(bet[j] * (aW[nt][e] * __expf(gam[j]) + aU[nt][e]));
+      }
+    __syncthreads();
+
+    // dM = -Tm^T dTm Tm^T, strictly lower
+    float P[8][4], dM[8][4];
+    zero_acc(P);
+    zero_acc(dM);
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      const FragA<St> a = lda_t<St>(TmS, LDC, 16 * warp, 16 * kt);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        FragB<St> b[2];
+        ldb_t<St>(b, dTmS, LDC, 16 * kt, 16 * np);
+        mma<St>(P[2 * np], a, b[0]);
+        mma<St>(P[2 * np + 1], a, b[1]);
+      }
+    }
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      const FragA<St> a = frag_a_from_c<St>(P[2 * kt], P[2 * kt + 1], -1.f);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        FragB<St> b[2];
+        ldb<St>(b, TmS, LDC, 16 * np, 16 * kt);
+        mma<St>(dM[2 * np], a, b[0]);
+        mma<St>(dM[2 * np + 1], a, b[1]);
+      }
+    }
+    __syncthreads();  // every warp is done with dTm: R takes its place
+    // R = dM o beta_i E, the beta and gam terms of M
+    float R[8][4];
+    float rbeta[2] = {0.f, 0.f}, rgam[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      float cm[2] = {0.f, 0.f};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hr = e >> 1, i = 16 * warp + g8 + 8 * hr, j = 8 * nt + 2 * q + (e & 1);
+        float r = 0.f;
+        if (i > j) {
+          const float E = __expf(gam[i] - gam[j]);
+          const float G = KKf[i * LDF + j] * E;
+          const float dm = dM[nt][e];
+          const float dmm = dm * bet[i] * G;
+          rbeta[hr] += dm * G;
+          rgam[hr] += dmm;
+          cm[e & 1] += dmm;
+          r = dm * bet[i] * E;
+        }
+        R[nt][e] = r;
+        RS[i * LDC + j] = from_f<St>(r);
+      }
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1) {
+        float x = cm[e1];
+        x += __shfl_xor_sync(0xffffffffu, x, 4);
+        x += __shfl_xor_sync(0xffffffffu, x, 8);
+        x += __shfl_xor_sync(0xffffffffu, x, 16);
+        if (g8 == 0) colv[warp * 64 + 8 * nt + 2 * q + e1] = x;
+      }
+    }
+    __syncthreads();
+
+    // dK2 = diag(beta e^gam) Tm^T dW + R K + R^T K  (added into dk), per 64-column block
+    float rx[2] = {0.f, 0.f};
+#pragma unroll 1
+    for (int kb = 0; kb < K / 64; ++kb) {
+      const St* bA = get_dW(kb);
+      float X[8][4], RK[8][4];
+      zero_acc(X);
+      zero_acc(RK);
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) {
+        const FragA<St> at = lda_t<St>(TmS, LDC, 16 * warp, 16 * kt);
+        const FragA<St> ar = frag_a_from_c<St>(R[2 * kt], R[2 * kt + 1]);
+        const FragA<St> art = lda_t<St>(RS, LDC, 16 * warp, 16 * kt);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          FragB<St> b[2];
+          ldb_t<St>(b, bA, LDC, 16 * kt, 16 * np);
+          mma<St>(X[2 * np], at, b[0]);
+          mma<St>(X[2 * np + 1], at, b[1]);
+          ldb_t<St>(b, Ks, LDK, 16 * kt, kb * 64 + 16 * np);
+          mma<St>(RK[2 * np], ar, b[0]);
+          mma<St>(RK[2 * np + 1], ar, b[1]);
+          mma<St>(RK[2 * np], art, b[0]);
+          mma<St>(RK[2 * np + 1], art, b[1]);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int i = 16 * warp + g8 + 8 * hr;
+          const int k = kb * 64 + 8 * nt + 2 * q;
+          const float eg = __expf(gam[i]);
+          const float x0 = X[nt][2 * hr], x1 = X[nt][2 * hr + 1];
+          rx[hr] += eg * (to_f<St>(Ks[i * LDK + k]) * x0 + to_f<St>(Ks[i * LDK + k + 1]) * x1);
+          if (i < ci.len) {
+            float2* d = reinterpret_cast<float2*>(p.dk + (ci.bos + i) * HK + h * K + k);
+            float2 cur = *d;
+            cur.x += bet[i] * eg * x0 + RK[nt][2 * hr];
+            cur.y += bet[i] * eg * x1 + RK[nt][2 * hr + 1];
+            *d = cur;
+          }
+        }
+    }
+    // dV = diag(beta) Tm^T dU, per 64-column block
+    float ry[2] = {0.f, 0.f};
+#pragma unroll 1
+    for (int vb = 0; vb < NVB; ++vb) {
+      const St *dU, *Vb;
+      get_dU_V(vb, dU, Vb, true);
+      float Y[8][4];
+      zero_acc(Y);
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) {
+        const FragA<St> at = lda_t<St>(TmS, LDC, 16 * warp, 16 * kt);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          FragB<St> b[2];
+          ldb<St>(b, dU, LDC, 16 * np, 16 * kt);
+          mma<St>(Y[2 * np], at, b[0]);
+          mma<St>(Y[2 * np + 1], at, b[1]);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int i = 16 * warp + g8 + 8 * hr;
+          const int vl = 8 * nt + 2 * q;
+          const float y0 = Y[nt][2 * hr], y1 = Y[nt][2 * hr + 1];
+          ry[hr] += to_f<St>(Vb[i * LDC + vl]) * y0 + to_f<St>(Vb[i * LDC + vl + 1]) * y1;
+          if (i < ci.len)
+            *reinterpret_cast<float2*>(p.dv + (ci.bos + i) * p.HV * V + static_cast<int64_t>(hv) * V + vb * 64 + vl) =
+                make_float2(bet[i] * y0, bet[i] * y1);
+        }
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float x = rx[hr], y = ry[hr], b = rbeta[hr], gm = rgam[hr];
+#pragma unroll
+      for (int o = 1; o <= 2; o <<= 1) {
+        x += __shfl_xor_sync(0xffffffffu, x, o);
+        y += __shfl_xor_sync(0xffffffffu, y, o);
+        b += __shfl_xor_sync(0xffffffffu, b, o);
+        gm += __shfl_xor_sync(0xffffffffu, gm, o);
+      }
+      if (q == 0) {
+        const int i = 16 * warp + g8 + 8 * hr;
+        rowv[i] = bet[i] * x + gm;
+        if (i < ci.len) p.dbeta[(ci.bos + i) * p.HV + hv] = x + y + b;
+      }
+    }
+    __syncthreads();
+    if (tid < 64) {
+      const int i = tid;
+      float d = rowv[i] - ((colv[i] + colv[64 + i]) + (colv[128 + i] + colv[192 + i]));
+      for (int kb = 0; kb < K / 64; ++kb) d += p.dgam1[((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hv) * C + i];
+      rowv[i] = d;
+    }
+    __syncthreads();
+    if (tid < 64) {
+      const int i = tid;
+      float s = 0.f;
+      for (int t = C - 1; t >= i; --t) s += rowv[t];
+      if (i < ci.len) p.dg[(ci.bos + i) * p.HV + hv] = s;
+    }
+    __syncthreads();
+  }
+}
+
+void launch_grad_wy(const Params& p, int dtype, void* stream) {
+  if (p.NC == 0) return;
+  GD_DTYPE_SWITCH(dtype, St, [&] {
+    GD_HEADK_SWITCH(p.K, KC, [&] {
+      using F = WyCfg<St, KC>;
+      int dev = 0, optin = 0;
+      C10_CUDA_CHECK(cudaGetDevice(&dev));
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+      const bool res = F::bytes(true, p.V) <= static_cast<size_t>(optin);
+      // 16-bit types always fit (K = V = 256 needs 181 KB); only fp32 has a streamed variant
+      void (*kern)(const Params) = grad_wy_kernel<St, KC, true>;
+      if constexpr (sizeof(St) == 4) {
+        if (!res) kern = grad_wy_kernel<St, KC, false>;
+      } else {
+        TORCH_CHECK(res, "gated_delta CUDA: grad_wy needs more shared memory than the device offers");
+      }
+      const size_t bytes = F::bytes(sizeof(St) == 4 ? res : true, p.V);
+      C10_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), bytes));
+      kern<<<dim3(p.NC, p.H), 128, bytes, static_cast<cudaStream_t>(stream)>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
+}  // namespace cuda
+}  // namespace gated_delta

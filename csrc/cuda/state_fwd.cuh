@@ -1,0 +1,327 @@
+// The sequential forward kernel: one CTA per (work unit, 64-column tile of the state, value head) walks the chunks
+// of its unit, carrying its K x 64 tile of the state in fp32 registers (held transposed, S^T, so that the
+// accumulators are directly the A operand of the next products). Per chunk (C = 64 tokens):
+//   Vn^T = U^T - S^T W^T                                     (corrected values of this tile)
+//   O^T  = scale (S^T Q^T diag(e^gam) + Vn^T A^T)            (mode 0: the output, fused)
+//   S^T <- e^{gam_L} S^T + (Vn^T diag(e^{gam_L - gam})) K
+// Mode 1 stores the state entering each chunk (hT) and Vn^T instead of O (for the backward). Mode 2 computes the
+// affine map of a unit of chunks (the scan): tiles of the first V columns start from 0 (giving B), tiles of the
+// next K columns start from the identity with U = 0 (giving the linear part A).
+// Warps: 4 per 128 columns of K (K = 256 uses 8 warps, each holding half of K; partial products over K are summed
+// through shared memory in a fixed order). Next chunk's tiles are prefetched with cp.async (2 stages where they fit).
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+
+#include "common.cuh"
+#include "static_switch.h"
+
+namespace gated_delta {
+namespace cuda {
+
+template <class St, int K, int MODE, int TW>
+struct FwdCfg {
+  static constexpr int NVR = TW / 16;  // warps over the rows of the state tile
+  static constexpr int KS = (K == 256) ? 2 : 1, KW = K / KS, NT = 32 * NVR * KS;
+  static constexpr bool F32 = sizeof(St) == 4;
+  static constexpr int STAGES = (!F32 && K <= 128) ? 2 : 1;
+  static constexpr bool WITH_Q = MODE == 0;
+  static constexpr bool Q_ALIAS = WITH_Q && F32 && K == 256;  // Q reuses W's buffer after Vn is formed
+  static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD, LDT = TW + PAD;
+  static constexpr int NKT = 2 + ((WITH_Q && !Q_ALIAS) ? 1 : 0);  // K-wide tiles per stage: W, K, [Q]
+  static constexpr size_t STAGE_BYTES = sizeof(St) * (size_t)(NKT * C * LDK + C * LDT + C * LDC) + 256;
+  static constexpr size_t RED_BYTES = (KS == 2) ? sizeof(float) * (2 * NVR * 1024 + NVR * 1024) : 0;
+  static constexpr size_t OS_BYTES = (MODE == 0) ? sizeof(St) * C * LDT : 0;
+  static constexpr size_t X_BYTES = RED_BYTES > OS_BYTES ? RED_BYTES : OS_BYTES;  // Os aliases the reduction space
+  static constexpr size_t bytes = STAGES * STAGE_BYTES + X_BYTES;
+};
+
+template <class St, int K, int MODE, int TW>
+__global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW>::NT, 1) state_fwd_kernel(const Params p) {
+  using F = FwdCfg<St, K, MODE, TW>;
+  constexpr int KS = F::KS, KW = F::KW, NT = F::NT, LDK = F::LDK, LDC = F::LDC, LDT = F::LDT, NVR = F::NVR;
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* xbuf = smem + F::STAGES * F::STAGE_BYTES;
+  float* red = reinterpret_cast<float*>(xbuf);
+  St* Os = reinterpret_cast<St*>(xbuf);
+
+  const int u = blockIdx.x, vt = blockIdx.y, hv = blockIdx.z, h = hv / p.G;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
+  const int vr = warp % NVR, ks = warp / NVR;
+  const Unit un = get_unit(p, u);
+  const bool homog = (MODE == 2) && (vt * TW >= p.V);
+  const int64_t HK = static_cast<int64_t>(p.H) * K;
+
+  auto stage_ptr = [&](int b, St*& Ws, St*& Ks, St*& Qs, St*& Us, St*& As, float*& gs) {
+    unsigned char* base = smem + b * F::STAGE_BYTES;
+    Ws = reinterpret_cast<St*>(base);
+    Ks = Ws + C * LDK;
+    Qs = F::Q_ALIAS ? Ws : Ks + C * LDK;
+    Us = Ks + (F::NKT - 1) * C * LDK;
+    As = Us + C * LDT;
+    gs = reinterpret_cast<float*>(As + C * LDC);
+  };
+  auto issue = [&](int c, int b) {
+    St *Ws, *Ks, *Qs, *Us, *As;
+    float* gs;
+    stage_ptr(b, Ws, Ks, Qs, Us, As, gs);
+    const ChunkInfo ci = chunk_info(p, c);
+    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+    load_tile<St, C, K, NT>(Ws, LDK, static_cast<const St*>(p.W) + chv * C * K, K, C, tid);
+    load_tile<St, C, K, NT>(Ks, LDK, static_cast<const St*>(p.k) + ci.bos * HK + h * K, HK, ci.len, tid);
+    if constexpr (F::WITH_Q && !F::Q_ALIAS)
+      load_tile<St, C, K, NT>(Qs, LDK, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
+    if (!homog)
+      load_tile<St, C, TW, NT>(Us, LDT, static_cast<const St*>(p.U) + chv * C * p.V + vt * TW, p.V, C, tid);
+    if constexpr (MODE == 0) load_tile<St, C, C, NT>(As, LDC, static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
+    if (tid < 16) cp_async16(gs + 4 * tid, p.gam + chv * C + 4 * tid, true);
+  };
+
+  // the state tile: S[nt][e] = S^T[v][k], v = vr*16 + g8 + 8*(e>>1) (in the tile), k = ks*KW + 8*nt + 2q + (e&1)
+  float S[KW / 8][4];
+  {
+    const float* init = nullptr;
+    if (MODE != 2 && p.init != nullptr)
+      init = p.init + (static_cast<int64_t>(p.init_by_unit ? u : un.n) * p.HV + hv) * K * p.V;
+#pragma unroll
+    for (int nt = 0; nt < KW / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int vloc = vr * 16 + g8 + 8 * (e >> 1), k = ks * KW + 8 * nt + 2 * q + (e & 1);
+        float x = 0.f;
+        if (MODE == 2) {
+          if (homog) x = (k == vt * TW + vloc - p.V) ? 1.f : 0.f;
+        } else if (init != nullptr) {
+          x = init[static_cast<int64_t>(k) * p.V + vt * TW + vloc];
+        }
+        S[nt][e] = x;
+      }
+  }
+
+#pragma unroll 1
+  for (int c = un.cb; c < un.ce; ++c) {
+    const int it = c - un.cb;
+    const int buf = (F::STAGES == 2) ? (it & 1) : 0;
+    if constexpr (F::STAGES == 2) {
+      if (it == 0) { issue(c, 0); cp_async_commit(); }
+      if (c + 1 < un.ce) { issue(c + 1, buf ^ 1); cp_async_commit(); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
+    } else {
+      issue(c, 0);
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    St *Ws, *Ks, *Qs, *Us, *As;
+    float* gs;
+    stage_ptr(buf, Ws, Ks, Qs, Us, As, gs);
+    const ChunkInfo ci = chunk_info(p, c);
+    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+
+    // S^T W^T (and S^T Q^T) over this warp's half of K
+    float acc_vn[8][4], acc_o[8][4];
+    zero_acc(acc_vn);
+    zero_acc(acc_o);
+#pragma unroll
+    for (int kk = 0; kk < KW / 16; ++kk) {
+      const FragA<St> a = frag_a_from_c<St>(S[2 * kk], S[2 * kk + 1]);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        FragB<St> b[2];
+        ldb<St>(b, Ws, LDK, 16 * np, ks * KW + 16 * kk);
+        mma<St>(acc_vn[2 * np], a, b[0]);
+        mma<St>(acc_vn[2 * np + 1], a, b[1]);
+        if constexpr (F::WITH_Q && !F::Q_ALIAS) {
+          ldb<St>(b, Qs, LDK, 16 * np, ks * KW + 16 * kk);
+          mma<St>(acc_o[2 * np], a, b[0]);
+          mma<St>(acc_o[2 * np + 1], a, b[1]);
+        }
+      }
+    }
+    if constexpr (F::Q_ALIAS) {
+      __syncthreads();
+      load_tile<St, C, K, NT>(Qs, LDK, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < KW / 16; ++kk) {
+        const FragA<St> a = frag_a_from_c<St>(S[2 * kk], S[2 * kk + 1]);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          FragB<St> b[2];
+          ldb<St>(b, Qs, LDK, 16 * np, ks * KW + 16 * kk);
+          mma<St>(acc_o[2 * np], a, b[0]);
+          mma<St>(acc_o[2 * np + 1], a, b[1]);
+        }
+      }
+    }
+    if constexpr (KS == 2) {
+      float* mine = red + (ks * NVR + vr) * 1024 + lane;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mine[(nt * 4 + e) * 32] = acc_vn[nt][e];
+      float* opart = red + 2 * NVR * 1024 + vr * 1024 + lane;
+      if (MODE == 0 && ks == 1) {
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) opart[(nt * 4 + e) * 32] = acc_o[nt][e];
+      }
+      __syncthreads();
+      const float* p0 = red + vr * 1024 + lane;
+      const float* p1 = red + (NVR + vr) * 1024 + lane;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc_vn[nt][e] = p0[(nt * 4 + e) * 32] + p1[(nt * 4 + e) * 32];
+          if (MODE == 0 && ks == 0) acc_o[nt][e] += opart[(nt * 4 + e) * 32];
+        }
+      __syncthreads();
+    }
+
+    // Vn^T = U^T - S^T W^T
+    float vn[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = 8 * nt + 2 * q + (e & 1), vloc = vr * 16 + g8 + 8 * (e >> 1);
+        const float uu = homog ? 0.f : to_f<St>(Us[j * LDT + vloc]);
+        vn[nt][e] = uu - acc_vn[nt][e];
+      }
+
+    if constexpr (MODE == 1) {
+      St* hTg = static_cast<St*>(p.hT) + chv * p.V * K;
+      const int v = vt * TW + vr * 16 + g8;
+#pragma unroll
+      for (int nt = 0; nt < KW / 8; ++nt) {
+        const int k = ks * KW + 8 * nt + 2 * q;
+        st2<St>(hTg + static_cast<int64_t>(v) * K + k, S[nt][0], S[nt][1]);
+        st2<St>(hTg + static_cast<int64_t>(v + 8) * K + k, S[nt][2], S[nt][3]);
+      }
+      if (ks == 0) {
+        St* vnTg = static_cast<St*>(p.VnT) + chv * p.V * C;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const int j = 8 * nt + 2 * q;
+          st2<St>(vnTg + v * C + j, vn[nt][0], vn[nt][1]);
+          st2<St>(vnTg + (v + 8) * C + j, vn[nt][2], vn[nt][3]);
+        }
+      }
+    }
+
+    if constexpr (MODE == 0) {
+      if (ks == 0) {
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_o[nt][e] *= p.scale * __expf(gs[8 * nt + 2 * q + (e & 1)]);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const FragA<St> a = frag_a_from_c<St>(vn[2 * kk], vn[2 * kk + 1], p.scale);
+#pragma unroll
+          for (int np = 0; np < 4; ++np) {
+            FragB<St> b[2];
+            ldb<St>(b, As, LDC, 16 * np, 16 * kk);
+            mma<St>(acc_o[2 * np], a, b[0]);
+            mma<St>(acc_o[2 * np + 1], a, b[1]);
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = 8 * nt + 2 * q + (e & 1), vloc = vr * 16 + g8 + 8 * (e >> 1);
+            Os[i * LDT + vloc] = from_f<St>(acc_o[nt][e]);
+          }
+      }
+      __syncthreads();
+      constexpr int EPV = 16 / sizeof(St), VPR = TW / EPV;
+      St* og = static_cast<St*>(p.o) + (ci.bos * p.HV + hv) * p.V + vt * TW;
+      for (int idx = tid; idx < C * VPR; idx += NT) {
+        const int r = idx / VPR, cv = idx % VPR;
+        if (r < ci.len)
+          *reinterpret_cast<int4*>(og + static_cast<int64_t>(r) * p.HV * p.V + cv * EPV) =
+              *reinterpret_cast<const int4*>(Os + r * LDT + cv * EPV);
+      }
+    }
+
+    // S^T <- e^{gam_L} S^T + (Vn^T diag(e^{gam_L - gam})) K
+    const float gl = gs[C - 1];
+    const float dl = __expf(gl);
+#pragma unroll
+    for (int nt = 0; nt < KW / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) S[nt][e] *= dl;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const int j0 = 16 * kk + 2 * q;
+      const float fk[4] = {__expf(gl - gs[j0]), __expf(gl - gs[j0 + 1]), __expf(gl - gs[j0 + 8]),
+                           __expf(gl - gs[j0 + 9])};
+      const FragA<St> a = frag_a_from_c_cols<St>(vn[2 * kk], vn[2 * kk + 1], fk);
+#pragma unroll
+      for (int np = 0; np < KW / 16; ++np) {
+        FragB<St> b[2];
+        ldb_t<St>(b, Ks, LDK, 16 * kk, ks * KW + 16 * np);
+        mma<St>(S[2 * np], a, b[0]);
+        mma<St>(S[2 * np + 1], a, b[1]);
+      }
+    }
+    __syncthreads();
+  }
+
+  // store the final tile
+  float* dst = nullptr;
+  int64_t rstride = 0, cstride = 0;  // element (v, k) at dst[v * rstride + k * cstride]
+  if (MODE == 2) {
+    dst = p.segmap + (static_cast<int64_t>(u) * p.HV + hv) * (p.V + K) * K + static_cast<int64_t>(vt) * TW * K;
+    rstride = K;
+    cstride = 1;
+  } else if (p.fin != nullptr) {
+    dst = p.fin + (static_cast<int64_t>(un.n) * p.HV + hv) * K * p.V + vt * TW;
+    rstride = 1;
+    cstride = p.V;
+  }
+  if (dst != nullptr) {
+#pragma unroll
+    for (int nt = 0; nt < KW / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int vloc = vr * 16 + g8 + 8 * (e >> 1), k = ks * KW + 8 * nt + 2 * q + (e & 1);
+        dst[vloc * rstride + k * cstride] = S[nt][e];
+      }
+  }
+}
+
+template <class St>
+void launch_state_fwd_t(const Params& p, int mode, void* stream) {
+  {
+    GD_HEADK_SWITCH(p.K, KC, [&] {
+      auto go = [&](auto mode_c, auto tw_c) {
+        constexpr int M = decltype(mode_c)::value, TW = decltype(tw_c)::value;
+        using F = FwdCfg<St, KC, M, TW>;
+        auto kern = state_fwd_kernel<St, KC, M, TW>;
+        C10_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
+        const int tiles = (M == 2) ? (p.V + KC) / TW : p.V / TW;
+        kern<<<dim3(p.num_units, tiles, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      using I0 = std::integral_constant<int, 0>;
+      using I1 = std::integral_constant<int, 1>;
+      using I2 = std::integral_constant<int, 2>;
+      using T32 = std::integral_constant<int, 32>;
+      using T64 = std::integral_constant<int, 64>;
+      if (mode == 2) go(I2(), T64());  // the scan's maps: enough CTAs already
+      // 32-column tiles pay off for the backward's state pass only: with the output fused, the forward re-reads
+      // W, K and Q per tile, and 32-column tiles measured slower (1x32768, HV=32: 2.86 ms against 2.63 ms)
+      else if (mode == 0) go(I0(), T64());
+      else if (p.tile32) go(I1(), T32());
+      else go(I1(), T64());
+    });
+  }
+}
+
+}  // namespace cuda
+}  // namespace gated_delta

@@ -1,0 +1,8 @@
+// state_fwd kernels for __nv_bfloat16 inputs (one translation unit per dtype: they compile in parallel).
+#include "state_fwd.cuh"
+
+namespace gated_delta {
+namespace cuda {
+template void launch_state_fwd_t<__nv_bfloat16>(const Params& p, int mode, void* stream);
+}  // namespace cuda
+}  // namespace gated_delta

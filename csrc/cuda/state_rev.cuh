@@ -1,0 +1,274 @@
+// The sequential reverse kernel of the backward: one CTA per (work unit, 64-column tile, value head) walks the
+// chunks of its unit backwards carrying dS'^T (the gradient of the state leaving the chunk, transposed) in fp32
+// registers. Per chunk:
+//   dVn^T = scale dO^T A + diag-scaled (dS'^T K^T) with columns times e^{gam_L - gam_j}
+//   dS^T  = e^{gam_L} dS'^T + dO^T diag(scale e^gam) Q - dVn^T W          (becomes dS' of the previous chunk)
+// Mode 0 stores dhT (= dS'^T of each chunk) and dVn^T; mode 1 computes a unit's reverse map (tiles of the first V
+// columns from 0 give b, tiles of the next K columns from the identity with dO = 0 give the linear part).
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+
+#include "common.cuh"
+#include "static_switch.h"
+
+namespace gated_delta {
+namespace cuda {
+
+template <class St, int K, int TW>
+struct RevCfg {
+  static constexpr int NVR = TW / 16;  // warps over the rows of the state tile
+  static constexpr int KS = (K == 256) ? 2 : 1, KW = K / KS, NT = 32 * NVR * KS;
+  static constexpr bool F32 = sizeof(St) == 4;
+  static constexpr int STAGES = (!F32 && K <= 128) ? 2 : 1;
+  static constexpr bool Q_ALIAS = F32 && K == 256;  // Q reuses W's buffer after the W product
+  static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD, LDT = TW + PAD;
+  static constexpr int NKT = Q_ALIAS ? 2 : 3;  // W, K, [Q]
+  static constexpr size_t STAGE_BYTES = sizeof(St) * (size_t)(NKT * C * LDK + C * LDC + C * LDT) + 256;
+  static constexpr size_t RED_BYTES = (KS == 2) ? sizeof(float) * (2 * NVR * 1024) : 0;
+  static constexpr size_t bytes = STAGES * STAGE_BYTES + RED_BYTES;
+};
+
+template <class St, int K, int MODE, int TW>
+__global__ void __launch_bounds__(RevCfg<St, K, TW>::NT, 1) state_rev_kernel(const Params p) {
+  using F = RevCfg<St, K, TW>;
+  constexpr int KS = F::KS, KW = F::KW, NT = F::NT, LDK = F::LDK, LDC = F::LDC, LDT = F::LDT, NVR = F::NVR;
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* red = reinterpret_cast<float*>(smem + F::STAGES * F::STAGE_BYTES);
+
+  const int u = blockIdx.x, vt = blockIdx.y, hv = blockIdx.z, h = hv / p.G;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
+  const int vr = warp % NVR, ks = warp / NVR;
+  const Unit un = get_unit(p, u);
+  const bool homog = (MODE == 1) && (vt * TW >= p.V);
+  const int64_t HK = static_cast<int64_t>(p.H) * K;
+
+  auto stage_ptr = [&](int b, St*& Ws, St*& Ks, St*& Qs, St*& As, St*& Ds, float*& gs) {
+    unsigned char* base = smem + b * F::STAGE_BYTES;
+    Ws = reinterpret_cast<St*>(base);
+    Ks = Ws + C * LDK;
+    Qs = F::Q_ALIAS ? Ws : Ks + C * LDK;
+    As = Ks + (F::NKT - 1) * C * LDK;
+    Ds = As + C * LDC;
+    gs = reinterpret_cast<float*>(Ds + C * LDT);
+  };
+  auto issue = [&](int c, int b) {
+    St *Ws, *Ks, *Qs, *As, *Ds;
+    float* gs;
+    stage_ptr(b, Ws, Ks, Qs, As, Ds, gs);
+    const ChunkInfo ci = chunk_info(p, c);
+    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+    load_tile<St, C, K, NT>(Ws, LDK, static_cast<const St*>(p.W) + chv * C * K, K, C, tid);
+    load_tile<St, C, K, NT>(Ks, LDK, static_cast<const St*>(p.k) + ci.bos * HK + h * K, HK, ci.len, tid);
+    if (!homog) {
+      if constexpr (!F::Q_ALIAS)
+        load_tile<St, C, K, NT>(Qs, LDK, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
+      load_tile<St, C, C, NT>(As, LDC, static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
+      load_tile<St, C, TW, NT>(Ds, LDT, static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * p.V + vt * TW,
+                              static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
+    }
+    if (tid < 16) cp_async16(gs + 4 * tid, p.gam + chv * C + 4 * tid, true);
+  };
+
+  // dS[nt][e] = dS'^T[v][k], v = vr*16 + g8 + 8*(e>>1) (in the tile), k = ks*KW + 8*nt + 2q + (e&1)
+  float dS[KW / 8][4];
+  {
+    const float* init = nullptr;
+    if (MODE == 0 && p.init != nullptr)
+      init = p.init + (static_cast<int64_t>(p.init_by_unit ? u : un.n) * p.HV + hv) * K * p.V;
+#pragma unroll
+    for (int nt = 0; nt < KW / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int vloc = vr * 16 + g8 + 8 * (e >> 1), k = ks * KW + 8 * nt + 2 * q + (e & 1);
+        float x = 0.f;
+        if (MODE == 1) {
+          if (homog) x = (k == vt * TW + vloc - p.V) ? 1.f : 0.f;
+        } else if (init != nullptr) {
+          x = init[static_cast<int64_t>(k) * p.V + vt * TW + vloc];
+        }
+        dS[nt][e] = x;
+      }
+  }
+
+#pragma unroll 1
+  for (int c = un.ce - 1; c >= un.cb; --c) {
+    const int it = un.ce - 1 - c;
+    const int buf = (F::STAGES == 2) ? (it & 1) : 0;
+    if constexpr (F::STAGES == 2) {
+      if (it == 0) { issue(c, 0); cp_async_commit(); }
+      if (c - 1 >= un.cb) { issue(c - 1, buf ^ 1); cp_async_commit(); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
+    } else {
+      issue(c, 0);
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    St *Ws, *Ks, *Qs, *As, *Ds;
+    float* gs;
+    stage_ptr(buf, Ws, Ks, Qs, As, Ds, gs);
+    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+
+    if constexpr (MODE == 0) {
+      St* g = static_cast<St*>(p.dhT) + chv * p.V * K;
+      const int v = vt * TW + vr * 16 + g8;
+#pragma unroll
+      for (int nt = 0; nt < KW / 8; ++nt) {
+        const int k = ks * KW + 8 * nt + 2 * q;
+        st2<St>(g + static_cast<int64_t>(v) * K + k, dS[nt][0], dS[nt][1]);
+        st2<St>(g + static_cast<int64_t>(v + 8) * K + k, dS[nt][2], dS[nt][3]);
+      }
+    }
+
+    // dS'^T K^T over this warp's half of K
+    float acc2[8][4];
+    zero_acc(acc2);
+#pragma unroll
+    for (int kk = 0; kk < KW / 16; ++kk) {
+      const FragA<St> a = frag_a_from_c<St>(dS[2 * kk], dS[2 * kk + 1]);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        FragB<St> b[2];
+        ldb<St>(b, Ks, LDK, 16 * np, ks * KW + 16 * kk);
+        mma<St>(acc2[2 * np], a, b[0]);
+        mma<St>(acc2[2 * np + 1], a, b[1]);
+      }
+    }
+    if constexpr (KS == 2) {
+      float* mine = red + (ks * NVR + vr) * 1024 + lane;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mine[(nt * 4 + e) * 32] = acc2[nt][e];
+      __syncthreads();
+      const float* p0 = red + vr * 1024 + lane;
+      const float* p1 = red + (NVR + vr) * 1024 + lane;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc2[nt][e] = p0[(nt * 4 + e) * 32] + p1[(nt * 4 + e) * 32];
+      __syncthreads();
+    }
+    // dO^T A (every warp computes its rows in full: cheap, and keeps the halves identical)
+    float acc1[8][4];
+    zero_acc(acc1);
+    if (!homog) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const FragA<St> a = lda_t<St>(Ds, LDT, vr * 16, 16 * kk);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          FragB<St> b[2];
+          ldb_t<St>(b, As, LDC, 16 * kk, 16 * np);
+          mma<St>(acc1[2 * np], a, b[0]);
+          mma<St>(acc1[2 * np + 1], a, b[1]);
+        }
+      }
+    }
+    const float gl = gs[C - 1];
+    float dvn[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = 8 * nt + 2 * q + (e & 1);
+        dvn[nt][e] = p.scale * acc1[nt][e] + __expf(gl - gs[j]) * acc2[nt][e];
+      }
+    if (MODE == 0 && ks == 0) {
+      St* g = static_cast<St*>(p.dVnT) + chv * p.V * C;
+      const int v = vt * TW + vr * 16 + g8;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int j = 8 * nt + 2 * q;
+        st2<St>(g + v * C + j, dvn[nt][0], dvn[nt][1]);
+        st2<St>(g + (v + 8) * C + j, dvn[nt][2], dvn[nt][3]);
+      }
+    }
+
+    // dS^T <- e^{gam_L} dS'^T - dVn^T W + dO^T diag(scale e^gam) Q
+    const float dl = __expf(gl);
+#pragma unroll
+    for (int nt = 0; nt < KW / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dS[nt][e] *= dl;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const FragA<St> a = frag_a_from_c<St>(dvn[2 * kk], dvn[2 * kk + 1], -1.f);
+#pragma unroll
+      for (int np = 0; np < KW / 16; ++np) {
+        FragB<St> b[2];
+        ldb_t<St>(b, Ws, LDK, 16 * kk, ks * KW + 16 * np);
+        mma<St>(dS[2 * np], a, b[0]);
+        mma<St>(dS[2 * np + 1], a, b[1]);
+      }
+    }
+    if (!homog) {
+      if constexpr (F::Q_ALIAS) {
+        const ChunkInfo ci = chunk_info(p, c);
+        __syncthreads();
+        load_tile<St, C, K, NT>(Qs, LDK, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+      }
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const FragA<St> a = lda_t_scaled<St>(Ds, LDT, vr * 16, 16 * kk, gs, p.scale);
+#pragma unroll
+        for (int np = 0; np < KW / 16; ++np) {
+          FragB<St> b[2];
+          ldb_t<St>(b, Qs, LDK, 16 * kk, ks * KW + 16 * np);
+          mma<St>(dS[2 * np], a, b[0]);
+          mma<St>(dS[2 * np + 1], a, b[1]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  float* dst = nullptr;
+  int64_t rstride = 0, cstride = 0;
+  if (MODE == 1) {
+    dst = p.segmap + (static_cast<int64_t>(u) * p.HV + hv) * (p.V + K) * K + static_cast<int64_t>(vt) * TW * K;
+    rstride = K;
+    cstride = 1;
+  } else if (p.fin != nullptr) {
+    dst = p.fin + (static_cast<int64_t>(un.n) * p.HV + hv) * K * p.V + vt * TW;
+    rstride = 1;
+    cstride = p.V;
+  }
+  if (dst != nullptr) {
+#pragma unroll
+    for (int nt = 0; nt < KW / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int vloc = vr * 16 + g8 + 8 * (e >> 1), k = ks * KW + 8 * nt + 2 * q + (e & 1);
+        dst[vloc * rstride + k * cstride] = dS[nt][e];
+      }
+  }
+}
+
+template <class St>
+void launch_state_rev_t(const Params& p, int mode, void* stream) {
+  {
+    GD_HEADK_SWITCH(p.K, KC, [&] {
+      auto go = [&](auto mode_c, auto tw_c) {
+        constexpr int M = decltype(mode_c)::value, TW = decltype(tw_c)::value;
+        using F = RevCfg<St, KC, TW>;
+        auto kern = state_rev_kernel<St, KC, M, TW>;
+        C10_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
+        const int tiles = (M == 1) ? (p.V + KC) / TW : p.V / TW;
+        kern<<<dim3(p.num_units, tiles, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      using T32 = std::integral_constant<int, 32>;
+      using T64 = std::integral_constant<int, 64>;
+      if (mode == 1) go(std::integral_constant<int, 1>(), T64());  // the scan's maps: enough CTAs already
+      else if (p.tile32) go(std::integral_constant<int, 0>(), T32());
+      else go(std::integral_constant<int, 0>(), T64());
+    });
+  }
+}
+
+}  // namespace cuda
+}  // namespace gated_delta

@@ -1,0 +1,8 @@
+// state_rev kernels for __half inputs (one translation unit per dtype: they compile in parallel).
+#include "state_rev.cuh"
+
+namespace gated_delta {
+namespace cuda {
+template void launch_state_rev_t<__half>(const Params& p, int mode, void* stream);
+}  // namespace cuda
+}  // namespace gated_delta
