@@ -27,4 +27,31 @@ TORCH_LIBRARY(gated_delta, m) {
       "Tensor? dt_bias, str algorithm, int chunk_size) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, "
       "Tensor dbeta, Tensor d_initial_state, Tensor dA_log, Tensor ddt_bias)");
   // --- layer ops (short convolution, gated RMSNorm, decode) are defined below this line ---
+  // Causal depthwise short convolution over time, + SiLU when use_silu: x [B, T, D], weight [D, W], bias [D],
+  // initial_state [N, D, W-1] (the last W-1 inputs before each sequence, oldest first), cu_seqlens [N + 1].
+  // final_state [N, D, W-1] holds the last W-1 inputs of each sequence; an empty tensor unless output_final_state.
+  m.def(
+      "short_conv_fwd(Tensor x, Tensor weight, Tensor? bias, Tensor? initial_state, Tensor? cu_seqlens, "
+      "bool output_final_state, bool use_silu) -> (Tensor y, Tensor final_state)");
+  // Backward of short_conv_fwd. dbias and d_initial_state are empty tensors when bias / initial_state are absent.
+  m.def(
+      "short_conv_bwd(Tensor dy, Tensor? d_final_state, Tensor x, Tensor weight, Tensor? bias, "
+      "Tensor? initial_state, Tensor? cu_seqlens, bool use_silu) -> (Tensor dx, Tensor dweight, Tensor dbias, "
+      "Tensor d_initial_state)");
+  // Decode: T new tokens x [B, T, D] against the rolling conv state [B, D, W-1], which is updated in place.
+  m.def(
+      "short_conv_update(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, bool use_silu) -> Tensor y");
+  // Gated RMSNorm over the last dim, in fp32: y = x / sqrt(mean(x^2) + eps) * weight * silu(gate).
+  // rstd [...] (one per row, fp32; fp64 for fp64 x) is kept for the backward.
+  m.def("gated_rmsnorm_fwd(Tensor x, Tensor? gate, Tensor? weight, float eps) -> (Tensor y, Tensor rstd)");
+  // Backward of gated_rmsnorm_fwd. dgate and dweight are empty tensors when gate / weight are absent.
+  m.def(
+      "gated_rmsnorm_bwd(Tensor dy, Tensor x, Tensor? gate, Tensor? weight, Tensor rstd, float eps) -> "
+      "(Tensor dx, Tensor dgate, Tensor dweight)");
+  // One fused decode step of the gated delta rule for T (few) new tokens: q, k [B, T, H, K] (L2-normalised in the
+  // kernel), v [B, T, HV, V], a, b [B, T, HV] (gate and beta logits), A_log, dt_bias [HV]; the recurrent state
+  // [B, HV, K, V] (fp32; fp64 for fp64 inputs) is updated in place. Returns o [B, T, HV, V] in v's dtype.
+  m.def(
+      "decode_step(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, "
+      "Tensor(a!) state, float scale, bool allow_neg_eigval) -> Tensor o");
 }

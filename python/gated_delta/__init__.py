@@ -2,6 +2,8 @@
 from .ops import ALGORITHMS, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, gated_delta_rule
 from .reference import gated_delta_rule_ref
 from . import reference
+from .layer_ops import decode_step, gated_rmsnorm, short_conv, short_conv_update
+from .layers import GatedDeltaNet, GatedDeltaNetCache, GatedRMSNorm, ShortConvolution
 
 __version__ = "0.1.0"
 
@@ -12,4 +14,12 @@ __all__ = [
     "fused_recurrent_gated_delta_rule",
     "gated_delta_rule_ref",
     "reference",
+    "GatedDeltaNet",
+    "GatedDeltaNetCache",
+    "ShortConvolution",
+    "GatedRMSNorm",
+    "short_conv",
+    "short_conv_update",
+    "gated_rmsnorm",
+    "decode_step",
 ]
