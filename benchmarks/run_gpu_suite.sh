@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU validation in one pass: build for sm_90a, GPU tests, decode benchmark, the checklist's GPU checks and
+# a short run of the ~100M-parameter training example. Logs go to $1 (default gpu_out/).
+#   bash benchmarks/run_gpu_suite.sh OUTDIR
+# flash-linear-attention is compared where importable (PYTHONPATH).
+set -uo pipefail
+OUTDIR=${1:-gpu_out}
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1 GATED_DELTA_CUDA_ARCHS=${GATED_DELTA_CUDA_ARCHS:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUTDIR/env.log"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUTDIR/env.log"
+start=$(date +%s)
+if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUTDIR/build.log" 2>&1; then
+  tail -60 "$OUTDIR/build.log"; exit 1
+fi
+echo "build: $(( $(date +%s) - start )) s"
+python3 -m pytest -q tests/test_cuda.py tests/test_layer_cuda.py tests/test_api.py 2>&1 | tee "$OUTDIR/tests.log" | tail -8
+python3 benchmarks/bench_decode.py --layer 2>&1 | tee "$OUTDIR/decode.log" | tail -14
+timeout 150 python3 -m gated_delta.checklist --device cuda --only seqlen,batch,allocator,amp,determinism \
+  --out /tmp/checklist 2>&1 | tee "$OUTDIR/checklist.log" | tail -12
+cp /tmp/checklist/*.md "$OUTDIR/" 2>/dev/null
+timeout 120 python3 examples/train_lm.py --preset gpu-100m --steps 80 --eval-every 40 --out /tmp/train 2>&1 \
+  | tr '\r' '\n' | tail -12 | tee "$OUTDIR/train.log"
+echo "total: $(( $(date +%s) - start )) s"
