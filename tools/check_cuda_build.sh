@@ -57,6 +57,8 @@ GATED_DELTA_FORCE_CUDA=1 GATED_DELTA_CUDA_ARCHS="${GATED_DELTA_CUDA_ARCHS:-9.0a}
 }
 so=$(find "$WORK/lib" -name "_C*.so" | head -1)
 [ -n "$so" ] || { echo "check_cuda_build: no extension was produced" >&2; exit 1; }
-nm -C "$so" | grep -q "core_forward_cuda" || { echo "check_cuda_build: CUDA core missing from $so" >&2; exit 1; }
-nm -C "$so" | grep -q "state_fwd_kernel" || { echo "check_cuda_build: CUDA kernels missing from $so" >&2; exit 1; }
+# (nm's output goes to a file first: `nm | grep -q` can kill nm with SIGPIPE, which pipefail reports as a failure)
+nm -C "$so" > "$WORK/symbols.txt"
+grep -q "core_forward_cuda" "$WORK/symbols.txt" || { echo "check_cuda_build: CUDA core missing from $so" >&2; exit 1; }
+grep -q "state_fwd_kernel" "$WORK/symbols.txt" || { echo "check_cuda_build: CUDA kernels missing from $so" >&2; exit 1; }
 echo "check_cuda_build: OK ($so, $(( $(date +%s) - start )) s)"
