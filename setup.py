@@ -41,6 +41,12 @@ def _gencode_flags():
     return flags
 
 
+# Link the C++ standard library dynamically, by name: a toolchain whose g++ links libstdc++ statically would give
+# the extension a private copy whose locale state is never initialised (streaming a number into an error message
+# then crashes), and the extension must share torch's libstdc++ anyway.
+LINK_ARGS = ["-fopenmp", "-Wl,-Bdynamic", "-l:libstdc++.so.6"]
+
+
 def _extensions():
     rel = lambda paths: sorted(os.path.relpath(p, ROOT) for p in paths)  # noqa: E731
     sources = rel(glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
@@ -54,9 +60,9 @@ def _extensions():
                 "-DGATED_DELTA_WITH_CUDA"] + _gencode_flags()
         return [CUDAExtension("gated_delta._C", sources,
                               extra_compile_args={"cxx": cxx + ["-DGATED_DELTA_WITH_CUDA"], "nvcc": nvcc},
-                              extra_link_args=["-fopenmp"], define_macros=define_macros, py_limited_api=True)]
+                              extra_link_args=LINK_ARGS, define_macros=define_macros, py_limited_api=True)]
     return [CppExtension("gated_delta._C", sources, extra_compile_args={"cxx": cxx},
-                         extra_link_args=["-fopenmp"], define_macros=define_macros, py_limited_api=True)]
+                         extra_link_args=LINK_ARGS, define_macros=define_macros, py_limited_api=True)]
 
 
 setup(
