@@ -328,8 +328,6 @@ def test_malformed_arguments_raise_an_error_naming_the_argument(case):
     assert re.search(name_pattern, str(info.value)), f"expected /{name_pattern}/ in: {info.value}"
 
 
-@pytest.mark.xfail(strict=True, reason="a call mixing CPU and meta tensors dispatches to the fake (meta) kernel, "
-                                       "which checks no argument and returns uninitialised tensors on q's device")
 def test_mismatched_device_on_the_meta_device_raises():
     """A meta tensor mixed into a CPU call."""
     base = dict(q=torch.randn(1, 4, 1, 2), k=torch.randn(1, 4, 1, 2), v=torch.randn(1, 4, 1, 2),

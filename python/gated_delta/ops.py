@@ -129,10 +129,19 @@ def _state_dtype(q):
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def _check_devices(q, **tensors):
+    # A call that mixes meta tensors with real ones dispatches here rather than to a backend: same check, same words.
+    for name, t in tensors.items():
+        if t is not None and t.device != q.device:
+            raise RuntimeError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
+
+
 @torch.library.register_fake("gated_delta::fwd")
 def _fwd_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
               use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, use_gate_in_kernel, A_log,
               dt_bias, algorithm, chunk_size):
+    _check_devices(q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens, A_log=A_log,
+                   dt_bias=dt_bias)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
@@ -148,6 +157,8 @@ def _fwd_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
 def _bwd_fake(d_o, d_final_state, q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
               use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, use_gate_in_kernel, A_log,
               dt_bias, algorithm, chunk_size):
+    _check_devices(q, d_o=d_o, d_final_state=d_final_state, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+                   cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias)
     empty = lambda: q.new_empty((0,), dtype=_state_dtype(q))  # noqa: E731
     return (
         q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
