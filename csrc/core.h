@@ -49,6 +49,9 @@ struct CoreArgs {
   double scale = 1.0;
   int64_t chunk_size = 64;
   Algorithm algorithm = Algorithm::Auto;  // the backend resolves Auto
+  // Backward: a backend may return dq, dk, dv in the dtype of q/k/v instead of the state dtype (saves a cast
+  // and half of their memory traffic). The op layer clears it when a chain rule still has to be applied to dq/dk.
+  bool grads_in_input_dtype = false;
 
   int64_t batch() const { return q.size(0); }
   int64_t seqlen() const { return q.size(1); }
@@ -68,8 +71,10 @@ struct CoreForward {
 };
 
 struct CoreGrads {
-  at::Tensor dq, dk;       // [B, T, H, K], state dtype (fp32 / fp64); grouped heads already summed
-  at::Tensor dv;           // [B, T, HV, V], state dtype
+  // [B, T, H, K], grouped heads already summed; state dtype (fp32 / fp64), or the dtype of q when
+  // args.grads_in_input_dtype is set and the backend supports it
+  at::Tensor dq, dk;
+  at::Tensor dv;           // [B, T, HV, V], state dtype, or the dtype of v as dq
   at::Tensor dg, dbeta;    // [B, T, HV], state dtype
   at::Tensor d_initial_state;  // [N, HV, K, V] state dtype; undefined when args.initial_state is undefined
 };

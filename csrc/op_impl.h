@@ -71,6 +71,7 @@ inline Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tens
   }
   a.scale = scale;
   a.chunk_size = chunk_size;
+  a.grads_in_input_dtype = !use_qk_l2norm;  // the L2-norm chain rule wants dq, dk unrounded
   a.algorithm = algorithm;
   return p;
 }

@@ -378,14 +378,19 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   at::Tensor dgam1 = at::empty({K / 64, NC, HV, kC}, fopts);
   p.dgam1 = dgam1.data_ptr<float>();
   CoreGrads gr;
-  gr.dq = at::empty(in.q.sizes(), fopts);
-  gr.dk = at::empty(in.k.sizes(), fopts);
-  gr.dv = at::empty(in.v.sizes(), fopts);
+  // dq, dk, dv in the input dtype when the op layer allows it; dk's partial sums stay fp32 in dk1
+  p.grad_f32 = (a.grads_in_input_dtype && a.q.scalar_type() != at::kFloat) ? 0 : 1;
+  const auto gopts = p.grad_f32 ? fopts : opts;
+  gr.dq = at::empty(in.q.sizes(), gopts);
+  gr.dk = at::empty(in.k.sizes(), gopts);
+  gr.dv = at::empty(in.v.sizes(), gopts);
   gr.dg = at::empty(in.g.sizes(), fopts);
   gr.dbeta = at::empty(in.beta.sizes(), fopts);
-  p.dq = gr.dq.data_ptr<float>();
-  p.dk = gr.dk.data_ptr<float>();
-  p.dv = gr.dv.data_ptr<float>();
+  at::Tensor dk1 = p.grad_f32 ? gr.dk : at::empty(in.k.sizes(), fopts);
+  p.dq = gr.dq.data_ptr();
+  p.dk1 = dk1.data_ptr<float>();
+  p.dk = gr.dk.data_ptr();
+  p.dv = gr.dv.data_ptr();
   p.dg = gr.dg.data_ptr<float>();
   p.dbeta = gr.dbeta.data_ptr<float>();
   cuda::launch_grad_qk(p, dt, stream);

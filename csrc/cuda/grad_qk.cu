@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
     __syncthreads();
   }
 
-  // store dq and the first part of dk (fp32, valid rows only)
+  // store dq (input dtype, or fp32 with grad_f32) and the first part of dk (fp32), valid rows only
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -240,8 +240,11 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
       const int i = 16 * rg + g8 + 8 * hr;
       if (i < ci.len) {
         const int64_t off = (ci.bos + i) * HK + h * K + kb * 64 + 32 * chf + 8 * nt + 2 * q;
-        *reinterpret_cast<float2*>(p.dq + off) = make_float2(dQ[nt][2 * hr], dQ[nt][2 * hr + 1]);
-        *reinterpret_cast<float2*>(p.dk + off) = make_float2(dK1[nt][2 * hr], dK1[nt][2 * hr + 1]);
+        if (p.grad_f32)
+          st2<float>(static_cast<float*>(p.dq) + off, dQ[nt][2 * hr], dQ[nt][2 * hr + 1]);
+        else
+          st2<St>(static_cast<St*>(p.dq) + off, dQ[nt][2 * hr], dQ[nt][2 * hr + 1]);
+        st2<float>(p.dk1 + off, dK1[nt][2 * hr], dK1[nt][2 * hr + 1]);
       }
     }
 }

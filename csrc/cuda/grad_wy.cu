@@ -270,11 +270,15 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
           const float x0 = X[nt][2 * hr], x1 = X[nt][2 * hr + 1];
           rx[hr] += eg * (to_f<St>(Ks[i * LDK + k]) * x0 + to_f<St>(Ks[i * LDK + k + 1]) * x1);
           if (i < ci.len) {
-            float2* d = reinterpret_cast<float2*>(p.dk + (ci.bos + i) * HK + h * K + k);
-            float2 cur = *d;
-            cur.x += bet[i] * eg * x0 + RK[nt][2 * hr];
-            cur.y += bet[i] * eg * x1 + RK[nt][2 * hr + 1];
-            *d = cur;
+            // dk sums over the value heads of the group in fp32 (dk1), stored in its dtype after the last one
+            const int64_t off = (ci.bos + i) * HK + h * K + k;
+            const float2 cur = *reinterpret_cast<const float2*>(p.dk1 + off);
+            const float d0 = cur.x + bet[i] * eg * x0 + RK[nt][2 * hr];
+            const float d1 = cur.y + bet[i] * eg * x1 + RK[nt][2 * hr + 1];
+            if (gi + 1 < p.G || p.grad_f32)
+              st2<float>((gi + 1 < p.G ? p.dk1 : static_cast<float*>(p.dk)) + off, d0, d1);
+            else
+              st2<St>(static_cast<St*>(p.dk) + off, d0, d1);
           }
         }
     }
@@ -305,9 +309,13 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
           const int vl = 8 * nt + 2 * q;
           const float y0 = Y[nt][2 * hr], y1 = Y[nt][2 * hr + 1];
           ry[hr] += to_f<St>(Vb[i * LDC + vl]) * y0 + to_f<St>(Vb[i * LDC + vl + 1]) * y1;
-          if (i < ci.len)
-            *reinterpret_cast<float2*>(p.dv + (ci.bos + i) * p.HV * V + static_cast<int64_t>(hv) * V + vb * 64 + vl) =
-                make_float2(bet[i] * y0, bet[i] * y1);
+          if (i < ci.len) {
+            const int64_t off = (ci.bos + i) * p.HV * V + static_cast<int64_t>(hv) * V + vb * 64 + vl;
+            if (p.grad_f32)
+              st2<float>(static_cast<float*>(p.dv) + off, bet[i] * y0, bet[i] * y1);
+            else
+              st2<St>(static_cast<St*>(p.dv) + off, bet[i] * y0, bet[i] * y1);
+          }
         }
     }
 #pragma unroll

@@ -71,9 +71,14 @@ struct Params {
 
   // outputs
   void* o;
-  float* dq;
-  float* dk;
-  float* dv;
+  // dq, dk, dv in the input dtype St, or fp32 when grad_f32 is set. dk1: fp32 [BT, H, K] partial sums of dk
+  // (grad_qk writes the first part, grad_wy adds over the value heads of a group, then stores dk; with grad_f32
+  // dk and dk1 may be the same buffer).
+  int grad_f32;
+  void* dq;
+  float* dk1;
+  void* dk;
+  void* dv;
   float* dg;
   float* dbeta;
 };
