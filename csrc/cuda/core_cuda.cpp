@@ -197,9 +197,11 @@ Params base_params(const CoreArgs& a, const Layout& L) {
   p.num_units = L.num_units;
   p.seg = L.seg;
   p.segs_per_seq = L.segs_per_seq;
-  // 32-column state tiles when 64-column ones would leave multiprocessors idle in the sequential kernels
+  // 32-column state tiles when 64-column ones would leave most multiprocessors idle in the sequential kernels:
+  // on the H200, 64 -> 128 CTAs sped up the backward's state passes (1 x 32768, HV = 32), but 128 -> 256 slowed
+  // the reverse pass by 1.6x (HV = 64), so only below half the SM count
   const int64_t ctas64 = static_cast<int64_t>(L.num_units) * p.HV * (p.V / 64);
-  p.tile32 = ctas64 < num_sms(a.q) ? 1 : 0;
+  p.tile32 = 2 * ctas64 <= num_sms(a.q) ? 1 : 0;
   return p;
 }
 

@@ -5,21 +5,16 @@
 // Both reductions read the state before the update, so the state is read once and written once.
 //
 // Decode is memory-bound (each (b, hv) state is K*V*4 bytes, 64 KB at K = V = 128, against ~1 KB of inputs), so
-// the grid splits V into 32-column tiles: block (v tile, hv, b) of 128 threads = 8 column threads (4 columns
-// each, one float4) x 16 row threads (K / 16 rows each, strided by 16, so a warp reads 4 full 128-byte rows).
-// The state tile stays in registers across the T tokens; the column sums over K reduce with warp shuffles and
-// one shared-memory step across the 4 warps.
+// the grid splits V into column tiles: block (v tile, hv, b) of CT x RT threads, CT column threads (4 columns
+// each, one float4) by RT row threads (K / RT rows each, strided by RT, so a warp reads 32 / CT full rows of
+// 4 * CT floats). The state tile stays in registers across the T tokens; the column sums over K reduce with warp
+// shuffles and one shared-memory step across the warps. The state is loaded and stored with streaming
+// (evict-first) hints: it is touched once per step, and the hints measured 15-20% faster at B >= 64.
 #include "layer_common.cuh"
 
 namespace gated_delta {
 namespace layer_cuda {
 namespace {
-
-constexpr int kThreads = 128;
-constexpr int kColThreads = 8;
-constexpr int kRowThreads = kThreads / kColThreads;  // 16
-constexpr int kWarps = kThreads / 32;                 // 4
-constexpr int kTileV = kColThreads * 4;               // 32 columns per block
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -27,22 +22,41 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Sum over the 4 row threads of a warp that share a column thread (lanes tx, tx + 8, tx + 16, tx + 24).
-__device__ __forceinline__ float rows_sum(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, 8);
-  v += __shfl_xor_sync(0xffffffffu, v, 16);
+// Sum over the row threads of a warp that share a column thread (lanes tx, tx + CT, tx + 2 CT, ...).
+template <int CT>
+__device__ __forceinline__ float4 rows_sum(float4 v) {
+#pragma unroll
+  for (int o = CT; o < 32; o <<= 1) {
+    v.x += __shfl_xor_sync(0xffffffffu, v.x, o);
+    v.y += __shfl_xor_sync(0xffffffffu, v.y, o);
+    v.z += __shfl_xor_sync(0xffffffffu, v.z, o);
+    v.w += __shfl_xor_sync(0xffffffffu, v.w, o);
+  }
   return v;
 }
 
-__device__ __forceinline__ float4 rows_sum(float4 v) {
-  return make_float4(rows_sum(v.x), rows_sum(v.y), rows_sum(v.z), rows_sum(v.w));
+template <bool STREAM>
+__device__ __forceinline__ float4 load_state(const float* p) {
+  if constexpr (STREAM) return __ldcs(reinterpret_cast<const float4*>(p));
+  return *reinterpret_cast<const float4*>(p);
 }
 
-template <class T, int K>
-__global__ void __launch_bounds__(kThreads) decode_step_kernel(DecodeParams p) {
-  static_assert(K % kRowThreads == 0, "K must be a multiple of 16");
-  constexpr int RPT = K / kRowThreads;  // rows per thread
-  const int tid = threadIdx.x, tx = tid % kColThreads, ty = tid / kColThreads;
+template <bool STREAM>
+__device__ __forceinline__ void store_state(float* p, float4 v) {
+  if constexpr (STREAM) {
+    __stcs(reinterpret_cast<float4*>(p), v);
+  } else {
+    *reinterpret_cast<float4*>(p) = v;
+  }
+}
+
+template <class T, int K, int CT, int RT, bool STREAM>
+__global__ void __launch_bounds__(CT * RT) decode_step_kernel(DecodeParams p) {
+  constexpr int kThreads = CT * RT, kWarps = kThreads / 32, kTileV = 4 * CT, kRowThreads = RT;
+  static_assert(kThreads % 32 == 0 && 32 % CT == 0, "a warp holds whole rows of column threads");
+  static_assert(K % RT == 0, "K must be a multiple of the row threads");
+  constexpr int RPT = K / RT;  // rows per thread
+  const int tid = threadIdx.x, tx = tid % CT, ty = tid / CT;
   const int warp = tid / 32, lane = tid % 32;
   const int64_t hv = blockIdx.y, b = blockIdx.z;
   const int64_t h = hv / (p.HV / p.H);
@@ -54,12 +68,12 @@ __global__ void __launch_bounds__(kThreads) decode_step_kernel(DecodeParams p) {
 #pragma unroll
   for (int i = 0; i < RPT; ++i) {
     const int r = ty + kRowThreads * i;
-    s[i] = active ? *reinterpret_cast<const float4*>(S + r * p.V + c0) : make_float4(0.f, 0.f, 0.f, 0.f);
+    s[i] = active ? load_state<STREAM>(S + r * p.V + c0) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
 
   __shared__ float q_sh[K], k_sh[K];
   __shared__ float norm_part[kWarps][3];
-  __shared__ float4 sk_part[kWarps][kColThreads], sq_part[kWarps][kColThreads];
+  __shared__ float4 sk_part[kWarps][CT], sq_part[kWarps][CT];
 
   const float neg_A = -__expf(load_as_float(p.A_log, p.A_dtype, hv));
   const float dt_bias = load_as_float(p.dt_bias, p.dt_dtype, hv);
@@ -125,9 +139,9 @@ __global__ void __launch_bounds__(kThreads) decode_step_kernel(DecodeParams p) {
       pq.z += s[i].z * qr;
       pq.w += s[i].w * qr;
     }
-    pk = rows_sum(pk);
-    pq = rows_sum(pq);
-    if (lane < kColThreads) {
+    pk = rows_sum<CT>(pk);
+    pq = rows_sum<CT>(pq);
+    if (lane < CT) {
       sk_part[warp][tx] = pk;
       sq_part[warp][tx] = pq;
     }
@@ -168,17 +182,26 @@ __global__ void __launch_bounds__(kThreads) decode_step_kernel(DecodeParams p) {
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       const int r = ty + kRowThreads * i;
-      *reinterpret_cast<float4*>(S + r * p.V + c0) = s[i];
+      store_state<STREAM>(S + r * p.V + c0, s[i]);
     }
   }
 }
 
-template <class T, int K>
-cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
+template <class T, int K, int CT, int RT, bool STREAM>
+cudaError_t launch_config(const DecodeParams& p, cudaStream_t stream) {
+  constexpr int kTileV = 4 * CT;
   dim3 grid(static_cast<unsigned>((p.V + kTileV - 1) / kTileV), static_cast<unsigned>(p.HV),
             static_cast<unsigned>(p.B));
-  decode_step_kernel<T, K><<<grid, kThreads, 0, stream>>>(p);
+  decode_step_kernel<T, K, CT, RT, STREAM><<<grid, CT * RT, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+// 64-column tiles of 16 x 8 threads (16 rows per thread) with streaming state loads and stores: on the H200
+// (H=16, HV=32, K=V=128, random fp32 state) this shape measured best of nine at B = 1, 64 and 256, within 1.07x of
+// the copy floor at B = 256 (benchmarks/RESULTS.md).
+template <class T, int K>
+cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
+  return launch_config<T, K, 16, 8, true>(p, stream);
 }
 
 }  // namespace
