@@ -140,6 +140,8 @@ def profile(row, fns):
     for name, f in fns.items():
         for _ in range(2):
             f(*xs).backward(do)
+        for x in xs:
+            x.grad = None  # profile the gradients, not their accumulation into .grad
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             f(*xs).backward(do)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU validation in one pass: build for sm_90a, GPU tests, decode benchmark, the checklist's GPU checks and
+# The GPU validation in one pass: build for sm_90a, GPU tests, decode benchmark, every check of the checklist and
 # a short run of the ~100M-parameter training example. Logs go to $1 (default gpu_out/).
 #   bash benchmarks/run_gpu_suite.sh OUTDIR
 # flash-linear-attention is compared where importable (PYTHONPATH).
@@ -14,9 +14,9 @@ if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUTDIR/build
   tail -60 "$OUTDIR/build.log"; exit 1
 fi
 echo "build: $(( $(date +%s) - start )) s"
-python3 -m pytest -q tests/test_cuda.py tests/test_layer_cuda.py tests/test_api.py 2>&1 | tee "$OUTDIR/tests.log" | tail -8
+python3 -m pytest -q tests/test_cuda.py tests/test_layer_cuda.py tests/test_fla_checkpoint.py tests/test_api.py 2>&1 | tee "$OUTDIR/tests.log" | tail -8
 python3 benchmarks/bench_decode.py --layer 2>&1 | tee "$OUTDIR/decode.log" | tail -14
-timeout 150 python3 -m gated_delta.checklist --device cuda --only seqlen,batch,allocator,amp,determinism \
+timeout 300 python3 -m gated_delta.checklist --device cuda --soak-steps 600 \
   --out /tmp/checklist 2>&1 | tee "$OUTDIR/checklist.log" | tail -12
 cp /tmp/checklist/*.md "$OUTDIR/" 2>/dev/null
 timeout 120 python3 examples/train_lm.py --preset gpu-100m --steps 80 --eval-every 40 --out /tmp/train 2>&1 \
