@@ -77,29 +77,45 @@ inline int as_int(int64_t x) {
 
 bool gemm_uses_blas() { return blas_available(); }
 
+namespace {
+
+#if GATED_DELTA_WEAK_BLAS
+inline void xgemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,
+                  const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+                  const int* ldc) {
+  sgemm_(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+inline void xgemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* alpha,
+                  const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+                  const int* ldc) {
+  dgemm_(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+#endif
+
 // Row-major C^T = op(B)^T op(A)^T is the column-major product with the operands swapped.
-void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+template <class T>
+void gemm_any(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
+              int64_t ldb, T beta, T* c, int64_t ldc) {
   if (m <= 0 || n <= 0) return;
   if (!blas_available()) return gemm_loops(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#if GATED_DELTA_WEAK_BLAS
   const char opa = ta ? 'T' : 'N', opb = tb ? 'T' : 'N';
   const int im = as_int(m), in = as_int(n), ik = as_int(k), ilda = as_int(lda), ildb = as_int(ldb),
             ildc = as_int(ldc);
-#if GATED_DELTA_WEAK_BLAS
-  sgemm_(&opb, &opa, &in, &im, &ik, &alpha, b, &ildb, a, &ilda, &beta, c, &ildc);
+  xgemm(&opb, &opa, &in, &im, &ik, &alpha, b, &ildb, a, &ilda, &beta, c, &ildc);
 #endif
+}
+
+}  // namespace
+
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  gemm_any(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
           const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
-  if (m <= 0 || n <= 0) return;
-  if (!blas_available()) return gemm_loops(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-  const char opa = ta ? 'T' : 'N', opb = tb ? 'T' : 'N';
-  const int im = as_int(m), in = as_int(n), ik = as_int(k), ilda = as_int(lda), ildb = as_int(ldb),
-            ildc = as_int(ldc);
-#if GATED_DELTA_WEAK_BLAS
-  dgemm_(&opb, &opa, &in, &im, &ik, &alpha, b, &ildb, a, &ilda, &beta, c, &ildc);
-#endif
+  gemm_any(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 }  // namespace cpu

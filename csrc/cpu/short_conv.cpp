@@ -90,8 +90,24 @@ void conv_rows(const SeqInput<scalar_t>& in, const acc_t* wt /* [W, D] */, const
   }
 }
 
-// weight [D, W] -> [W, D] in acc_t (channel-contiguous rows for the inner loops).
-at::Tensor weight_rows(const at::Tensor& weight, at::ScalarType acc) { return weight.to(acc).t().contiguous(); }
+// What the forward and backward read: the inputs of every sequence, the weight as [W, D] rows in acc_t
+// (channel-contiguous for the inner loops) and the bias in acc_t (owned here, so the pointers stay valid).
+template <typename scalar_t>
+struct ConvOperands {
+  using acc_t = at::opmath_type<scalar_t>;
+  at::Tensor wt, bc;
+  SeqInput<scalar_t> in;
+  const acc_t* wp;
+  const acc_t* bp;
+
+  ConvOperands(const at::Tensor& xc, const at::Tensor& h0, const at::Tensor& weight, const OptTensor& bias,
+               at::ScalarType acc, int64_t T, int64_t D, int64_t W)
+      : wt(weight.to(acc).t().contiguous()),
+        bc(bias.has_value() ? bias->to(acc).contiguous() : at::Tensor()),
+        in{xc.data_ptr<scalar_t>(), h0.defined() ? h0.data_ptr<scalar_t>() : nullptr, T, D, W},
+        wp(wt.data_ptr<acc_t>()),
+        bp(bc.defined() ? bc.data_ptr<acc_t>() : nullptr) {}
+};
 
 std::tuple<at::Tensor, at::Tensor> short_conv_fwd_cpu(const at::Tensor& x, const at::Tensor& weight,
                                                       const OptTensor& bias, const OptTensor& initial_state,
@@ -110,12 +126,10 @@ std::tuple<at::Tensor, at::Tensor> short_conv_fwd_cpu(const at::Tensor& x, const
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "short_conv_fwd_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const at::Tensor wt = weight_rows(weight, acc);
-    const at::Tensor bc = bias.has_value() ? bias->to(acc).contiguous() : at::Tensor();
-    const SeqInput<scalar_t> in{xc.data_ptr<scalar_t>(), h0.defined() ? h0.data_ptr<scalar_t>() : nullptr, T, D,
-                                W};
-    const acc_t* wp = wt.data_ptr<acc_t>();
-    const acc_t* bp = bc.defined() ? bc.data_ptr<acc_t>() : nullptr;
+    const ConvOperands<scalar_t> ops(xc, h0, weight, bias, acc, T, D, W);
+    const SeqInput<scalar_t>& in = ops.in;
+    const acc_t* wp = ops.wp;
+    const acc_t* bp = ops.bp;
     acc_t* zp = z.data_ptr<acc_t>();
     at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) {
@@ -171,12 +185,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> short_conv_bwd_cpu(
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "short_conv_bwd_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const at::Tensor wt = weight_rows(weight, acc);
-    const at::Tensor bc = bias.has_value() ? bias->to(acc).contiguous() : at::Tensor();
-    const SeqInput<scalar_t> in{xc.data_ptr<scalar_t>(), h0.defined() ? h0.data_ptr<scalar_t>() : nullptr, T, D,
-                                W};
-    const acc_t* wp = wt.data_ptr<acc_t>();
-    const acc_t* bp = bc.defined() ? bc.data_ptr<acc_t>() : nullptr;
+    const ConvOperands<scalar_t> ops(xc, h0, weight, bias, acc, T, D, W);
+    const SeqInput<scalar_t>& in = ops.in;
+    const acc_t* wp = ops.wp;
+    const acc_t* bp = ops.bp;
     const acc_t* dfp = dfc.defined() ? dfc.data_ptr<acc_t>() : nullptr;
     acc_t* dzp = dz.data_ptr<acc_t>();
 
