@@ -344,6 +344,34 @@ __device__ __forceinline__ Unit get_unit(const Params& p, int u) {
   return r;
 }
 
+// Where a sequential pass leaves its K x TW state tile, held as S^T fragments (S[nt][e] = S^T[v][k] with
+// v = vr*16 + g8 + 8*(e>>1) inside the tile and k = ks*KW + 8*nt + 2q + (e&1)): into the unit's segment map
+// ([units, HV, V + K, K], one K-contiguous row per tile column) when to_map, else into fin ([N, HV, K, V]) when the
+// pass was asked for it.
+template <int K, int KW, int TW>
+__device__ __forceinline__ void store_state_tile(const Params& p, const float (&S)[KW / 8][4], bool to_map, int u,
+                                                 int n, int hv, int vt, int vr, int ks, int g8, int q) {
+  float* dst = nullptr;
+  int64_t rstride = 0, cstride = 0;  // element (v, k) at dst[v * rstride + k * cstride]
+  if (to_map) {
+    dst = p.segmap + (static_cast<int64_t>(u) * p.HV + hv) * (p.V + K) * K + static_cast<int64_t>(vt) * TW * K;
+    rstride = K;
+    cstride = 1;
+  } else if (p.fin != nullptr) {
+    dst = p.fin + (static_cast<int64_t>(n) * p.HV + hv) * K * p.V + vt * TW;
+    rstride = 1;
+    cstride = p.V;
+  }
+  if (dst == nullptr) return;
+#pragma unroll
+  for (int nt = 0; nt < KW / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int vloc = vr * 16 + g8 + 8 * (e >> 1), k = ks * KW + 8 * nt + 2 * q + (e & 1);
+      dst[vloc * rstride + k * cstride] = S[nt][e];
+    }
+}
+
 // ---- (I + M)^-1 for a strictly lower-triangular 64 x 64 fp32 M in shared memory (ld 65), 128 threads ----
 // Diagonal 16 x 16 blocks by forward substitution (one column per thread), then two merge levels on tensor cores
 // in split bf16x3 (about fp32 accuracy):  [[A, 0], [C, B]]^-1 = [[A^-1, 0], [-B^-1 C A^-1, B^-1]]

@@ -219,61 +219,116 @@ Inputs dense_inputs(const CoreArgs& a) {
   return in;
 }
 
+// What both directions start from: dense inputs, the chunk layout, and the parameters with the input pointers.
+struct Call {
+  Inputs in;
+  Layout L;
+  Params p;
+  int dt;
+  at::TensorOptions opts, fopts;  // input dtype, fp32
+  void* stream;
+};
+
+Call begin_call(const CoreArgs& a) {
+  check_cuda_limits(a);
+  Call c;
+  c.stream = at::cuda::getCurrentCUDAStream().stream();
+  c.in = dense_inputs(a);
+  c.L = make_layout(a);
+  c.p = base_params(a, c.L);
+  c.dt = dtype_code(a.q.scalar_type());
+  c.opts = c.in.q.options();
+  c.fopts = c.opts.dtype(at::kFloat);
+  c.p.q = c.in.q.data_ptr();
+  c.p.k = c.in.k.data_ptr();
+  c.p.v = c.in.v.data_ptr();
+  c.p.g = c.in.g.data_ptr<float>();
+  c.p.beta = c.in.beta.data_ptr<float>();
+  return c;
+}
+
+// The preparation's outputs W, U, A, gam (and Tm, for the backward), allocated and computed.
+struct Prepared {
+  at::Tensor W, U, A, gam, Tm;
+};
+
+Prepared run_prep(Call& c, bool with_tm) {
+  const int64_t NC = c.L.NC, HV = c.p.HV;
+  Prepared r;
+  r.W = at::empty({NC, HV, kC, c.p.K}, c.opts);
+  r.U = at::empty({NC, HV, kC, c.p.V}, c.opts);
+  r.A = at::empty({NC, HV, kC, kC}, c.opts);
+  r.gam = at::empty({NC, HV, kC}, c.fopts);
+  if (with_tm) r.Tm = at::empty({NC, HV, kC, kC}, c.opts);
+  c.p.W = r.W.data_ptr();
+  c.p.U = r.U.data_ptr();
+  c.p.A = r.A.data_ptr();
+  c.p.gam = r.gam.data_ptr<float>();
+  c.p.Tm = with_tm ? r.Tm.data_ptr() : nullptr;
+  cuda::launch_prep(c.p, c.dt, c.stream);
+  return r;
+}
+
+// Scratch of the scan: per-unit maps and the states (or state gradients) at unit boundaries; undefined for the
+// chunk algorithm.
+struct ScanScratch {
+  at::Tensor segmap, segstate;
+};
+
+ScanScratch scan_scratch(Call& c) {
+  ScanScratch s;
+  if (!c.L.scan) return s;
+  const int64_t units = c.L.num_units, HV = c.p.HV, K = c.p.K, V = c.p.V;
+  s.segmap = at::empty({units, HV, V + K, K}, c.fopts);
+  s.segstate = at::empty({units, HV, K, V}, c.fopts);
+  c.p.segmap = s.segmap.data_ptr<float>();
+  c.p.segstate = s.segstate.data_ptr<float>();
+  return s;
+}
+
+// One sequential pass over the chunks, forward (state_fwd, mode 0: output, 1: states for the backward) or reverse
+// (state_rev, mode 0), from init (by sequence; null: zero) to fin (by sequence; null: not stored). With the scan
+// the units first compute their maps, the combine kernel composes them (writing fin) and the pass runs again from
+// each unit's entering state.
+void run_state_pass(Call& c, bool reverse, int mode, const float* init, float* fin) {
+  Params& p = c.p;
+  auto launch = [&](int m) {
+    if (reverse) cuda::launch_state_rev(p, c.dt, m, c.stream);
+    else cuda::launch_state_fwd(p, c.dt, m, c.stream);
+  };
+  if (!c.L.scan) {
+    p.init = init;
+    p.init_by_unit = 0;
+    p.fin = fin;
+    launch(mode);
+    return;
+  }
+  p.init = nullptr;
+  p.fin = nullptr;
+  launch(reverse ? 1 : 2);  // segment maps
+  p.init = init;
+  p.init_by_unit = 0;
+  p.fin = fin;
+  cuda::launch_combine(p, reverse ? 1 : 0, c.stream);
+  p.init = p.segstate;
+  p.init_by_unit = 1;
+  p.fin = nullptr;
+  launch(mode);
+}
+
 }  // namespace
 
 CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
-  check_cuda_limits(a);
   c10::cuda::CUDAGuard guard(a.q.device());
-  void* stream = at::cuda::getCurrentCUDAStream().stream();
-  const Inputs in = dense_inputs(a);
-  const Layout L = make_layout(a);
-  Params p = base_params(a, L);
-  const int dt = dtype_code(a.q.scalar_type());
-  const auto opts = in.q.options();
-  const auto fopts = opts.dtype(at::kFloat);
-  const int64_t NC = L.NC, HV = p.HV, K = p.K, V = p.V;
-  p.q = in.q.data_ptr();
-  p.k = in.k.data_ptr();
-  p.v = in.v.data_ptr();
-  p.g = in.g.data_ptr<float>();
-  p.beta = in.beta.data_ptr<float>();
-
-  at::Tensor W = at::empty({NC, HV, kC, K}, opts);
-  at::Tensor U = at::empty({NC, HV, kC, V}, opts);
-  at::Tensor A = at::empty({NC, HV, kC, kC}, opts);
-  at::Tensor gam = at::empty({NC, HV, kC}, fopts);
-  at::Tensor o = at::empty(in.v.sizes(), in.v.options());
+  Call c = begin_call(a);
+  const Prepared prep = run_prep(c, /*with_tm=*/false);
+  at::Tensor o = at::empty(c.in.v.sizes(), c.in.v.options());
   at::Tensor ht;
-  if (output_final_state) ht = at::empty({L.N, HV, K, V}, fopts);
-  p.W = W.data_ptr();
-  p.U = U.data_ptr();
-  p.A = A.data_ptr();
-  p.gam = gam.data_ptr<float>();
-  p.o = o.data_ptr();
-  cuda::launch_prep(p, dt, stream);
-
-  const float* h0 = in.h0.defined() ? in.h0.data_ptr<float>() : nullptr;
-  if (!L.scan) {
-    p.init = h0;
-    p.init_by_unit = 0;
-    p.fin = ht.defined() ? ht.data_ptr<float>() : nullptr;
-    cuda::launch_state_fwd(p, dt, 0, stream);
-  } else {
-    at::Tensor segmap = at::empty({L.num_units, HV, V + K, K}, fopts);
-    at::Tensor segstate = at::empty({L.num_units, HV, K, V}, fopts);
-    p.segmap = segmap.data_ptr<float>();
-    p.segstate = segstate.data_ptr<float>();
-    p.init = nullptr;
-    p.fin = nullptr;
-    cuda::launch_state_fwd(p, dt, 2, stream);
-    p.init = h0;
-    p.fin = ht.defined() ? ht.data_ptr<float>() : nullptr;
-    cuda::launch_combine(p, 0, stream);
-    p.init = p.segstate;
-    p.init_by_unit = 1;
-    p.fin = nullptr;
-    cuda::launch_state_fwd(p, dt, 0, stream);
-  }
+  if (output_final_state) ht = at::empty({c.L.N, c.p.HV, c.p.K, c.p.V}, c.fopts);
+  c.p.o = o.data_ptr();
+  const ScanScratch scratch = scan_scratch(c);
+  run_state_pass(c, /*reverse=*/false, /*mode=*/0, c.in.h0.defined() ? c.in.h0.data_ptr<float>() : nullptr,
+                 ht.defined() ? ht.data_ptr<float>() : nullptr);
   CoreForward r;
   r.o = o;
   r.final_state = ht;
@@ -281,122 +336,62 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
 }
 
 CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state) {
-  check_cuda_limits(a);
   c10::cuda::CUDAGuard guard(a.q.device());
-  void* stream = at::cuda::getCurrentCUDAStream().stream();
-  const Inputs in = dense_inputs(a);
-  const Layout L = make_layout(a);
-  Params p = base_params(a, L);
-  const int dt = dtype_code(a.q.scalar_type());
-  const auto opts = in.q.options();
-  const auto fopts = opts.dtype(at::kFloat);
-  const int64_t NC = L.NC, HV = p.HV, K = p.K, V = p.V;
+  Call c = begin_call(a);
+  Params& p = c.p;
+  const int64_t NC = c.L.NC, HV = p.HV, K = p.K, V = p.V;
   at::Tensor dO = dense(d_o.to(a.v.scalar_type()));
   at::Tensor dht;
   if (d_final_state.defined()) dht = dense(d_final_state.to(at::kFloat));
-  p.q = in.q.data_ptr();
-  p.k = in.k.data_ptr();
-  p.v = in.v.data_ptr();
-  p.g = in.g.data_ptr<float>();
-  p.beta = in.beta.data_ptr<float>();
   p.d_o = dO.data_ptr();
-
-  at::Tensor W = at::empty({NC, HV, kC, K}, opts);
-  at::Tensor U = at::empty({NC, HV, kC, V}, opts);
-  at::Tensor A = at::empty({NC, HV, kC, kC}, opts);
-  at::Tensor gam = at::empty({NC, HV, kC}, fopts);
-  at::Tensor Tm = at::empty({NC, HV, kC, kC}, opts);
-  p.W = W.data_ptr();
-  p.U = U.data_ptr();
-  p.A = A.data_ptr();
-  p.Tm = Tm.data_ptr();
-  p.gam = gam.data_ptr<float>();
-  cuda::launch_prep(p, dt, stream);
+  Prepared prep = run_prep(c, /*with_tm=*/true);
+  ScanScratch scratch = scan_scratch(c);
 
   // states entering each chunk, and Vn
-  at::Tensor hT = at::empty({NC, HV, V, K}, opts);
-  at::Tensor VnT = at::empty({NC, HV, V, kC}, opts);
+  at::Tensor hT = at::empty({NC, HV, V, K}, c.opts);
+  at::Tensor VnT = at::empty({NC, HV, V, kC}, c.opts);
   p.hT = hT.data_ptr();
   p.VnT = VnT.data_ptr();
-  const float* h0 = in.h0.defined() ? in.h0.data_ptr<float>() : nullptr;
-  at::Tensor segmap, segstate;
-  if (L.scan) {
-    segmap = at::empty({L.num_units, HV, V + K, K}, fopts);
-    segstate = at::empty({L.num_units, HV, K, V}, fopts);
-    p.segmap = segmap.data_ptr<float>();
-    p.segstate = segstate.data_ptr<float>();
-  }
-  if (!L.scan) {
-    p.init = h0;
-    p.init_by_unit = 0;
-    p.fin = nullptr;
-    cuda::launch_state_fwd(p, dt, 1, stream);
-  } else {
-    p.init = nullptr;
-    p.fin = nullptr;
-    cuda::launch_state_fwd(p, dt, 2, stream);
-    p.init = h0;
-    p.init_by_unit = 0;
-    cuda::launch_combine(p, 0, stream);
-    p.init = p.segstate;
-    p.init_by_unit = 1;
-    cuda::launch_state_fwd(p, dt, 1, stream);
-  }
-  U.reset();
+  run_state_pass(c, /*reverse=*/false, /*mode=*/1, c.in.h0.defined() ? c.in.h0.data_ptr<float>() : nullptr,
+                 nullptr);
+  prep.U.reset();
   p.U = nullptr;
 
   // gradients of the states leaving each chunk, and dVn
-  at::Tensor dhT = at::empty({NC, HV, V, K}, opts);
-  at::Tensor dVnT = at::empty({NC, HV, V, kC}, opts);
+  at::Tensor dhT = at::empty({NC, HV, V, K}, c.opts);
+  at::Tensor dVnT = at::empty({NC, HV, V, kC}, c.opts);
   p.dhT = dhT.data_ptr();
   p.dVnT = dVnT.data_ptr();
   at::Tensor dh0;
-  if (a.initial_state.defined()) dh0 = at::empty({L.N, HV, K, V}, fopts);
-  const float* dht_p = dht.defined() ? dht.data_ptr<float>() : nullptr;
-  if (!L.scan) {
-    p.init = dht_p;
-    p.init_by_unit = 0;
-    p.fin = dh0.defined() ? dh0.data_ptr<float>() : nullptr;
-    cuda::launch_state_rev(p, dt, 0, stream);
-  } else {
-    p.init = nullptr;
-    p.fin = nullptr;
-    cuda::launch_state_rev(p, dt, 1, stream);
-    p.init = dht_p;
-    p.init_by_unit = 0;
-    p.fin = dh0.defined() ? dh0.data_ptr<float>() : nullptr;
-    cuda::launch_combine(p, 1, stream);
-    p.init = p.segstate;
-    p.init_by_unit = 1;
-    p.fin = nullptr;
-    cuda::launch_state_rev(p, dt, 0, stream);
-  }
-  segmap.reset();
-  segstate.reset();
+  if (a.initial_state.defined()) dh0 = at::empty({c.L.N, HV, K, V}, c.fopts);
+  run_state_pass(c, /*reverse=*/true, /*mode=*/0, dht.defined() ? dht.data_ptr<float>() : nullptr,
+                 dh0.defined() ? dh0.data_ptr<float>() : nullptr);
+  scratch.segmap.reset();
+  scratch.segstate.reset();
 
   // chunk-parallel gradients; W's memory holds dW (same shape and type; W is no longer read)
-  p.dW = W.data_ptr();
+  p.dW = prep.W.data_ptr();
   p.W = nullptr;
-  at::Tensor dgam1 = at::empty({K / 64, NC, HV, kC}, fopts);
+  at::Tensor dgam1 = at::empty({K / 64, NC, HV, kC}, c.fopts);
   p.dgam1 = dgam1.data_ptr<float>();
   CoreGrads gr;
   // dq, dk, dv in the input dtype when the op layer allows it; dk's partial sums stay fp32 in dk1
   p.grad_f32 = (a.grads_in_input_dtype && a.q.scalar_type() != at::kFloat) ? 0 : 1;
-  const auto gopts = p.grad_f32 ? fopts : opts;
-  gr.dq = at::empty(in.q.sizes(), gopts);
-  gr.dk = at::empty(in.k.sizes(), gopts);
-  gr.dv = at::empty(in.v.sizes(), gopts);
-  gr.dg = at::empty(in.g.sizes(), fopts);
-  gr.dbeta = at::empty(in.beta.sizes(), fopts);
-  at::Tensor dk1 = p.grad_f32 ? gr.dk : at::empty(in.k.sizes(), fopts);
+  const auto gopts = p.grad_f32 ? c.fopts : c.opts;
+  gr.dq = at::empty(c.in.q.sizes(), gopts);
+  gr.dk = at::empty(c.in.k.sizes(), gopts);
+  gr.dv = at::empty(c.in.v.sizes(), gopts);
+  gr.dg = at::empty(c.in.g.sizes(), c.fopts);
+  gr.dbeta = at::empty(c.in.beta.sizes(), c.fopts);
+  at::Tensor dk1 = p.grad_f32 ? gr.dk : at::empty(c.in.k.sizes(), c.fopts);
   p.dq = gr.dq.data_ptr();
   p.dk1 = dk1.data_ptr<float>();
   p.dk = gr.dk.data_ptr();
   p.dv = gr.dv.data_ptr();
   p.dg = gr.dg.data_ptr<float>();
   p.dbeta = gr.dbeta.data_ptr<float>();
-  cuda::launch_grad_qk(p, dt, stream);
-  cuda::launch_grad_wy(p, dt, stream);
+  cuda::launch_grad_qk(p, c.dt, c.stream);
+  cuda::launch_grad_wy(p, c.dt, c.stream);
   gr.d_initial_state = dh0;
   return gr;
 }

@@ -155,24 +155,35 @@ at::Tensor short_conv_update_cuda(const at::Tensor& x, at::Tensor& conv_state, c
   return y;
 }
 
+// The inputs shared by the gated RMSNorm's forward and backward, contiguous (held here while the kernel runs),
+// and the parameters that point at them.
+struct NormOperands {
+  at::Tensor xc, gc, wc;
+  lc::GatedRMSNormParams p;
+
+  NormOperands(const at::Tensor& x, const OptTensor& gate, const OptTensor& weight, const NormSizes& s, double eps)
+      : xc(x.contiguous()),
+        gc(gate.has_value() ? gate->contiguous() : at::Tensor()),
+        wc(weight.has_value() ? weight->contiguous() : at::Tensor()) {
+    p.x = xc.data_ptr();
+    p.gate = gc.defined() ? gc.data_ptr() : nullptr;
+    p.weight = wc.defined() ? wc.data_ptr() : nullptr;
+    p.R = s.rows;
+    p.D = s.D;
+    p.eps = static_cast<float>(eps);
+    p.dtype = dtype_code(x, "x");
+    p.wdtype = wc.defined() ? param_code(wc, p.dtype) : p.dtype;
+  }
+};
+
 std::tuple<at::Tensor, at::Tensor> gated_rmsnorm_fwd_cuda(const at::Tensor& x, const OptTensor& gate,
                                                           const OptTensor& weight, double eps) {
   const NormSizes s = check_gated_rmsnorm_args(x, gate, weight, eps);
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor xc = x.contiguous();
-  const at::Tensor gc = gate.has_value() ? gate->contiguous() : at::Tensor();
-  const at::Tensor wc = weight.has_value() ? weight->contiguous() : at::Tensor();
+  NormOperands ops(x, gate, weight, s, eps);
+  lc::GatedRMSNormParams& p = ops.p;
   at::Tensor y = at::empty(x.sizes(), x.options());
   at::Tensor rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
-  lc::GatedRMSNormParams p;
-  p.x = xc.data_ptr();
-  p.gate = gc.defined() ? gc.data_ptr() : nullptr;
-  p.weight = wc.defined() ? wc.data_ptr() : nullptr;
-  p.R = s.rows;
-  p.D = s.D;
-  p.eps = static_cast<float>(eps);
-  p.dtype = dtype_code(x, "x");
-  p.wdtype = wc.defined() ? param_code(wc, p.dtype) : p.dtype;
   p.y = y.data_ptr();
   p.rstd = rstd.data_ptr<float>();
   check_cuda_launch(lc::gated_rmsnorm_fwd(p, at::cuda::getCurrentCUDAStream()), "gated_rmsnorm_fwd");
@@ -191,23 +202,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_rmsnorm_bwd_cuda(const at::
   TORCH_CHECK(!weight.has_value() || s.D <= lc::kMaxNormDim, "x must have D <= ", lc::kMaxNormDim,
               " for the CUDA gated RMSNorm backward with a weight, got D = ", s.D);
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor xc = x.contiguous(), dyc = dy.to(x.scalar_type()).contiguous(), rc = rstd.contiguous();
-  const at::Tensor gc = gate.has_value() ? gate->contiguous() : at::Tensor();
-  const at::Tensor wc = weight.has_value() ? weight->contiguous() : at::Tensor();
+  NormOperands ops(x, gate, weight, s, eps);
+  lc::GatedRMSNormParams& p = ops.p;
+  const at::Tensor dyc = dy.to(x.scalar_type()).contiguous(), rc = rstd.contiguous();
   at::Tensor dx = at::empty(x.sizes(), x.options());
   at::Tensor dgate = gate.has_value() ? at::empty(x.sizes(), x.options()) : at::empty({0}, x.options());
   at::Tensor part = weight.has_value()
                         ? at::empty({lc::gated_rmsnorm_bwd_num_partials(s.rows), s.D}, x.options().dtype(at::kFloat))
                         : at::Tensor();
-  lc::GatedRMSNormParams p;
-  p.x = xc.data_ptr();
-  p.gate = gc.defined() ? gc.data_ptr() : nullptr;
-  p.weight = wc.defined() ? wc.data_ptr() : nullptr;
-  p.R = s.rows;
-  p.D = s.D;
-  p.eps = static_cast<float>(eps);
-  p.dtype = dtype_code(x, "x");
-  p.wdtype = wc.defined() ? param_code(wc, p.dtype) : p.dtype;
   p.dy = dyc.data_ptr();
   p.rstd_in = rc.data_ptr<float>();
   p.dx = dx.data_ptr();

@@ -226,26 +226,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW>::NT, 1) state_rev_kernel(con
     __syncthreads();
   }
 
-  float* dst = nullptr;
-  int64_t rstride = 0, cstride = 0;
-  if (MODE == 1) {
-    dst = p.segmap + (static_cast<int64_t>(u) * p.HV + hv) * (p.V + K) * K + static_cast<int64_t>(vt) * TW * K;
-    rstride = K;
-    cstride = 1;
-  } else if (p.fin != nullptr) {
-    dst = p.fin + (static_cast<int64_t>(un.n) * p.HV + hv) * K * p.V + vt * TW;
-    rstride = 1;
-    cstride = p.V;
-  }
-  if (dst != nullptr) {
-#pragma unroll
-    for (int nt = 0; nt < KW / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int vloc = vr * 16 + g8 + 8 * (e >> 1), k = ks * KW + 8 * nt + 2 * q + (e & 1);
-        dst[vloc * rstride + k * cstride] = dS[nt][e];
-      }
-  }
+  store_state_tile<K, KW, TW>(p, dS, MODE == 1, u, un.n, hv, vt, vr, ks, g8, q);
 }
 
 template <class St>
