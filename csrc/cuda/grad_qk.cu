@@ -6,8 +6,8 @@
 //   dA = scale dO Vn^T (masked i >= j)      dQ = scale diag(e^gam) dO S^T + (dA o E) K
 //   dK1 = (dA o E)^T Q + diag(e^{gam_L - gam}) Vn dS'^T            dW = -dVn S^T
 //   and the partial gradient of gam (per block of K).
-// (grad_wy: one CTA (4 warps) per (chunk, q/k head), looping over the group: reads Tm (from the backward's prep), then back through
-// W = Tm diag(beta e^gam) K and U = Tm diag(beta) V with dU = dVn:
+// (grad_wy: one CTA (4 warps) per (chunk, q/k head), looping over the group: reads Tm (written by the
+// backward's prep), then back through W = Tm diag(beta e^gam) K and U = Tm diag(beta) V with dU = dVn:
 //   dTm = dW (diag(beta e^gam) K)^T + dU (diag(beta) V)^T,  dM = -Tm^T dTm Tm^T (strictly lower)
 //   dK += diag(beta e^gam) Tm^T dW + R K + R^T K (R = dM o beta_i E),  dV = diag(beta) Tm^T dU,  dbeta, dg.
 #include <c10/cuda/CUDAException.h>
