@@ -136,7 +136,7 @@ def decode_inputs(B, T, H, HV, K, V, seed):
                 A_log=r(HV) * 0.5, dt_bias=r(HV) * 0.5)
 
 
-@pytest.mark.parametrize("K,V", [(16, 4), (64, 36), (128, 128), (256, 64)])
+@pytest.mark.parametrize("K,V", [(16, 4), (64, 36), (128, 128), (128, 100), (256, 64)])
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("H,HV,neg", [(2, 2, False), (1, 4, True)])
 def test_decode_step_cuda_matches_cpu(K, V, T, H, HV, neg):
