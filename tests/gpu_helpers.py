@@ -46,6 +46,22 @@ def make_inputs(B, T, H, HV, K, V, dtype, device="cuda", h0=True, cu_seqlens=Non
     return out
 
 
+DIFFERENTIABLE = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+
+
+def _leaves(inputs, grads, convert):
+    """The differentiable inputs present, and a copy of `inputs` whose floating-point tensors are fresh leaves
+    (convert(x.detach())), requiring grad when `grads` and differentiable; other values pass through."""
+    names = [n for n in DIFFERENTIABLE if inputs.get(n) is not None]
+    out = {}
+    for n, x in inputs.items():
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            out[n] = convert(x.detach()).requires_grad_(grads and n in names)
+        else:
+            out[n] = x
+    return names, out
+
+
 def reference(inputs, d_o=None, d_ht=None, grads=True):
     """float64 reference (the token loop) of o, the final state and, given d_o / d_ht, every gradient.
 
@@ -55,14 +71,7 @@ def reference(inputs, d_o=None, d_ht=None, grads=True):
     """
     from gated_delta.reference import gated_delta_rule_ref
 
-    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
-             if inputs.get(n) is not None]
-    x64 = {}
-    for n, x in inputs.items():
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            x64[n] = x.detach().double().requires_grad_(grads and n in names)
-        else:
-            x64[n] = x
+    names, x64 = _leaves(inputs, grads, torch.Tensor.double)
     call = dict(x64)
     dt = inputs["q"].dtype
     if call.get("use_qk_l2norm_in_kernel") and dt in (torch.bfloat16, torch.float16):
@@ -83,14 +92,7 @@ def reference(inputs, d_o=None, d_ht=None, grads=True):
 def run_ours(inputs, d_o=None, d_ht=None, algorithm="chunk", grads=True, **extra):
     from gated_delta import gated_delta_rule
 
-    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
-             if inputs.get(n) is not None]
-    xs = {}
-    for n, x in inputs.items():
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            xs[n] = x.detach().clone().requires_grad_(grads and n in names)
-        else:
-            xs[n] = x
+    names, xs = _leaves(inputs, grads, torch.Tensor.clone)
     o, ht = gated_delta_rule(**xs, output_final_state=True, algorithm=algorithm, **extra)
     res = {"o": o.detach(), "ht": ht.detach()}
     if grads:
