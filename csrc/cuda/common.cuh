@@ -85,16 +85,31 @@ template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(
 
 // Copies a ROWS x COLS tile (row r from g + r * gstride) into shared memory with leading dimension ld;
 // rows >= rows_valid are zero-filled. COLS * sizeof(St) must be a multiple of 16 and g 16-byte aligned.
+// Each thread keeps one 16-byte column slot and walks rows NT / VPR apart, so the addresses advance by constants.
 template <class St, int ROWS, int COLS, int NT>
 __device__ __forceinline__ void load_tile(St* s, int ld, const St* g, int64_t gstride, int rows_valid, int tid) {
   constexpr int EPV = 16 / sizeof(St);
   constexpr int VPR = COLS / EPV;
+  if constexpr (NT % VPR == 0 && ROWS % (NT / VPR) == 0) {
+    constexpr int RS = NT / VPR;  // rows between one thread's copies
+    const int r0 = tid / VPR, cv = tid % VPR;
+    const St* src = g + static_cast<int64_t>(r0) * gstride + cv * EPV;
+    St* dst = s + r0 * ld + cv * EPV;
+    const int64_t gstep = static_cast<int64_t>(RS) * gstride;
+#pragma unroll
+    for (int j = 0; j < ROWS / RS; ++j) {
+      const bool ok = r0 + j * RS < rows_valid;
+      cp_async16(dst + j * RS * ld, ok ? src : g, ok);
+      src += gstep;
+    }
+  } else {
 #pragma unroll 4
-  for (int i = tid; i < ROWS * VPR; i += NT) {
-    const int r = i / VPR, cv = i % VPR;
-    const bool ok = r < rows_valid;
-    const St* src = g + (ok ? static_cast<int64_t>(r) * gstride : 0) + cv * EPV;
-    cp_async16(s + r * ld + cv * EPV, src, ok);
+    for (int i = tid; i < ROWS * VPR; i += NT) {
+      const int r = i / VPR, cv = i % VPR;
+      const bool ok = r < rows_valid;
+      const St* src = g + (ok ? static_cast<int64_t>(r) * gstride : 0) + cv * EPV;
+      cp_async16(s + r * ld + cv * EPV, src, ok);
+    }
   }
 }
 
@@ -305,6 +320,43 @@ template <class St> __device__ __forceinline__ void ldb_t(FragB<St> b[2], const 
   }
 }
 
+// Stores a warp's block of accumulator fragments, F[nt][e] at row g8 + 8 * (e >> 1) and column 8 * nt + 2q + (e & 1)
+// of g (row stride ld). 16-bit types: the four lanes of a row exchange packed pairs (a 4 x 4 transpose by two
+// butterfly steps) so that each lane stores 16 contiguous bytes; fp32 stores the pairs as they are.
+template <class St, int NT8>
+__device__ __forceinline__ void store_frag_rows(St* g, int64_t ld, const float (&F)[NT8][4], int g8, int q) {
+  if constexpr (sizeof(St) == 2 && NT8 % 4 == 0) {
+#pragma unroll
+    for (int m = 0; m < NT8 / 4; ++m)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        uint32_t y[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          if constexpr (std::is_same_v<St, __half>) y[t] = pack_f16(F[4 * m + t][2 * hr], F[4 * m + t][2 * hr + 1]);
+          else y[t] = pack_bf16(F[4 * m + t][2 * hr], F[4 * m + t][2 * hr + 1]);
+        }
+#pragma unroll
+        for (int b = 1; b <= 2; b <<= 1)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            if (j & b) continue;
+            const bool hi = (q & b) != 0;
+            const uint32_t r = __shfl_xor_sync(0xffffffffu, hi ? y[j] : y[j | b], b);
+            if (hi) y[j] = r; else y[j | b] = r;
+          }
+        // lane q now holds columns 8 * (4m + q) .. + 7 of its row
+        *reinterpret_cast<uint4*>(g + (g8 + 8 * hr) * ld + 8 * (4 * m + q)) = make_uint4(y[0], y[1], y[2], y[3]);
+      }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < NT8; ++nt) {
+      st2<St>(g + g8 * ld + 8 * nt + 2 * q, F[nt][0], F[nt][1]);
+      st2<St>(g + (g8 + 8) * ld + 8 * nt + 2 * q, F[nt][2], F[nt][3]);
+    }
+  }
+}
+
 template <int N> __device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -312,13 +364,16 @@ template <int N> __device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
 
 // ---- chunks and units ----
 struct ChunkInfo { int64_t bos; int len; };
-__device__ __forceinline__ ChunkInfo chunk_info(const Params& p, int c) {
+// Chunk c's first token and length; n: its sequence when the caller knows it (the sequential kernels walk the
+// chunks of one unit), else -1 (then an equal-length batch divides by the chunks per sequence).
+__device__ __forceinline__ ChunkInfo chunk_info(const Params& p, int c, int n = -1) {
   ChunkInfo ci;
   if (p.chunk_tok != nullptr) {
     ci.bos = p.chunk_tok[c];
     ci.len = p.chunk_len[c];
   } else {
-    const int n = c / p.CPS, i = c % p.CPS;
+    if (n < 0) n = c / p.CPS;
+    const int i = c - n * p.CPS;
     ci.bos = static_cast<int64_t>(n) * p.T + static_cast<int64_t>(i) * C;
     ci.len = min(C, p.T - i * C);
   }

@@ -34,7 +34,8 @@ __global__ void __launch_bounds__(128) prep_kernel(const Params p) {
   float* bet = gam + C;
   float* beg = bet + C;
 
-  const int c = blockIdx.x, hv = blockIdx.y, h = hv / p.G;
+  // a linear grid with the value heads of a chunk adjacent: they share K and Q, which then come from L2
+  const int hv = blockIdx.x % p.HV, c = blockIdx.x / p.HV, h = hv / p.G;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
   const ChunkInfo ci = chunk_info(p, c);
   const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
@@ -107,12 +108,12 @@ __global__ void __launch_bounds__(128) prep_kernel(const Params p) {
   St* TmB = R1;
   St* TmBG = R1 + C * LDC;
   St* Tmg = p.Tm != nullptr ? static_cast<St*>(p.Tm) + chv * C * C : nullptr;
-  for (int e = tid; e < C * C; e += 128) {
-    const int i = e / C, j = e % C;
-    const float t = Tf[i * LDF + j];
-    TmB[i * LDC + j] = from_f<St>(t * bet[j]);
-    TmBG[i * LDC + j] = from_f<St>(t * beg[j]);
-    if (Tmg != nullptr) Tmg[e] = from_f<St>(t);
+  for (int e = tid; e < C * C / 2; e += 128) {  // two consecutive columns per step
+    const int i = e / (C / 2), j = 2 * (e % (C / 2));
+    const float t0 = Tf[i * LDF + j], t1 = Tf[i * LDF + j + 1];
+    st2<St>(TmB + i * LDC + j, t0 * bet[j], t1 * bet[j + 1]);
+    st2<St>(TmBG + i * LDC + j, t0 * beg[j], t1 * beg[j + 1]);
+    if (Tmg != nullptr) st2<St>(Tmg + i * C + j, t0, t1);
   }
   if (tid < C) p.gam[chv * C + tid] = gam[tid];
   __syncthreads();
@@ -185,7 +186,7 @@ void launch_prep(const Params& p, int dtype, void* stream) {
       const size_t smem = PrepSmem<St, KC>::bytes;
       auto kern = prep_kernel<St, KC>;
       C10_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), smem));
-      kern<<<dim3(p.NC, p.HV), 128, smem, static_cast<cudaStream_t>(stream)>>>(p);
+      kern<<<dim3(p.NC * p.HV), 128, smem, static_cast<cudaStream_t>(stream)>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

@@ -7,8 +7,9 @@
 // Mode 1 stores the state entering each chunk (hT) and Vn^T instead of O (for the backward). Mode 2 computes the
 // affine map of a unit of chunks (the scan): tiles of the first V columns start from 0 (giving B), tiles of the
 // next K columns start from the identity with U = 0 (giving the linear part A).
-// Warps: 4 per 128 columns of K (K = 256 uses 8 warps, each holding half of K; partial products over K are summed
-// through shared memory in a fixed order). Next chunk's tiles are prefetched with cp.async (2 stages where they fit).
+// Warps: one per 16 columns of the tile; K = 256 (and K = 128 in the forward's 32-column tiles) splits K over two
+// warps, whose partial products over K are summed through shared memory in a fixed order. The next chunk's tiles
+// are prefetched with cp.async (2 stages where they fit).
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -19,10 +20,10 @@
 namespace gated_delta {
 namespace cuda {
 
-template <class St, int K, int MODE, int TW>
+template <class St, int K, int MODE, int TW, int KSP>
 struct FwdCfg {
   static constexpr int NVR = TW / 16;  // warps over the rows of the state tile
-  static constexpr int KS = (K == 256) ? 2 : 1, KW = K / KS, NT = 32 * NVR * KS;
+  static constexpr int KS = (K == 256) ? 2 : KSP, KW = K / KS, NT = 32 * NVR * KS;
   static constexpr bool F32 = sizeof(St) == 4;
   static constexpr int STAGES = (!F32 && K <= 128) ? 2 : 1;
   static constexpr bool WITH_Q = MODE == 0;
@@ -36,9 +37,9 @@ struct FwdCfg {
   static constexpr size_t bytes = STAGES * STAGE_BYTES + X_BYTES;
 };
 
-template <class St, int K, int MODE, int TW>
-__global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW>::NT, 1) state_fwd_kernel(const Params p) {
-  using F = FwdCfg<St, K, MODE, TW>;
+template <class St, int K, int MODE, int TW, int KSP>
+__global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd_kernel(const Params p) {
+  using F = FwdCfg<St, K, MODE, TW, KSP>;
   constexpr int KS = F::KS, KW = F::KW, NT = F::NT, LDK = F::LDK, LDC = F::LDC, LDT = F::LDT, NVR = F::NVR;
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* xbuf = smem + F::STAGES * F::STAGE_BYTES;
@@ -65,7 +66,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW>::NT, 1) state_fwd_kern
     St *Ws, *Ks, *Qs, *Us, *As;
     float* gs;
     stage_ptr(b, Ws, Ks, Qs, Us, As, gs);
-    const ChunkInfo ci = chunk_info(p, c);
+    const ChunkInfo ci = chunk_info(p, c, un.n);
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
     load_tile<St, C, K, NT>(Ws, LDK, static_cast<const St*>(p.W) + chv * C * K, K, C, tid);
     load_tile<St, C, K, NT>(Ks, LDK, static_cast<const St*>(p.k) + ci.bos * HK + h * K, HK, ci.len, tid);
@@ -114,7 +115,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW>::NT, 1) state_fwd_kern
     St *Ws, *Ks, *Qs, *Us, *As;
     float* gs;
     stage_ptr(buf, Ws, Ks, Qs, Us, As, gs);
-    const ChunkInfo ci = chunk_info(p, c);
+    const ChunkInfo ci = chunk_info(p, c, un.n);
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
 
     // S^T W^T (and S^T Q^T) over this warp's half of K
@@ -183,33 +184,41 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW>::NT, 1) state_fwd_kern
 
     // Vn^T = U^T - S^T W^T
     float vn[8][4];
+    if constexpr (sizeof(St) == 2) {
+      // U^T by ldmatrix.trans: the A-fragment registers of a 16 x 16 block are the C fragments of two n-tiles
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+      for (int kk = 0; kk < 4; ++kk) {
+        float2 u[4] = {};
+        if (!homog) {
+          const FragA<St> ua = lda_t<St>(Us, LDT, vr * 16, 16 * kk);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = 8 * nt + 2 * q + (e & 1), vloc = vr * 16 + g8 + 8 * (e >> 1);
-        const float uu = homog ? 0.f : to_f<St>(Us[j * LDT + vloc]);
-        vn[nt][e] = uu - acc_vn[nt][e];
-      }
-
-    if constexpr (MODE == 1) {
-      St* hTg = static_cast<St*>(p.hT) + chv * p.V * K;
-      const int v = vt * TW + vr * 16 + g8;
+          for (int i = 0; i < 4; ++i) {
+            if constexpr (std::is_same_v<St, __half>) u[i] = unpack_f16(ua.x[i]); else u[i] = unpack_bf16(ua.x[i]);
+          }
+        }
 #pragma unroll
-      for (int nt = 0; nt < KW / 8; ++nt) {
-        const int k = ks * KW + 8 * nt + 2 * q;
-        st2<St>(hTg + static_cast<int64_t>(v) * K + k, S[nt][0], S[nt][1]);
-        st2<St>(hTg + static_cast<int64_t>(v + 8) * K + k, S[nt][2], S[nt][3]);
-      }
-      if (ks == 0) {
-        St* vnTg = static_cast<St*>(p.VnT) + chv * p.V * C;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          const int j = 8 * nt + 2 * q;
-          st2<St>(vnTg + v * C + j, vn[nt][0], vn[nt][1]);
-          st2<St>(vnTg + (v + 8) * C + j, vn[nt][2], vn[nt][3]);
+        for (int t = 0; t < 2; ++t) {
+          vn[2 * kk + t][0] = u[2 * t].x - acc_vn[2 * kk + t][0];
+          vn[2 * kk + t][1] = u[2 * t].y - acc_vn[2 * kk + t][1];
+          vn[2 * kk + t][2] = u[2 * t + 1].x - acc_vn[2 * kk + t][2];
+          vn[2 * kk + t][3] = u[2 * t + 1].y - acc_vn[2 * kk + t][3];
         }
       }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = 8 * nt + 2 * q + (e & 1), vloc = vr * 16 + g8 + 8 * (e >> 1);
+          const float uu = homog ? 0.f : to_f<St>(Us[j * LDT + vloc]);
+          vn[nt][e] = uu - acc_vn[nt][e];
+        }
+    }
+
+    if constexpr (MODE == 1) {
+      const int v0 = vt * TW + vr * 16;
+      store_frag_rows<St, KW / 8>(static_cast<St*>(p.hT) + (chv * p.V + v0) * K + ks * KW, K, S, g8, q);
+      if (ks == 0) store_frag_rows<St, 8>(static_cast<St*>(p.VnT) + (chv * p.V + v0) * C, C, vn, g8, q);
     }
 
     if constexpr (MODE == 0) {
@@ -279,10 +288,10 @@ template <class St>
 void launch_state_fwd_t(const Params& p, int mode, void* stream) {
   {
     GD_HEADK_SWITCH(p.K, KC, [&] {
-      auto go = [&](auto mode_c, auto tw_c) {
-        constexpr int M = decltype(mode_c)::value, TW = decltype(tw_c)::value;
-        using F = FwdCfg<St, KC, M, TW>;
-        auto kern = state_fwd_kernel<St, KC, M, TW>;
+      auto go = [&](auto mode_c, auto tw_c, auto ks_c) {
+        constexpr int M = decltype(mode_c)::value, TW = decltype(tw_c)::value, KSP = decltype(ks_c)::value;
+        using F = FwdCfg<St, KC, M, TW, KSP>;
+        auto kern = state_fwd_kernel<St, KC, M, TW, KSP>;
         C10_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
         const int tiles = (M == 2) ? (p.V + KC) / TW : p.V / TW;
         kern<<<dim3(p.num_units, tiles, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
@@ -293,12 +302,17 @@ void launch_state_fwd_t(const Params& p, int mode, void* stream) {
       using I2 = std::integral_constant<int, 2>;
       using T32 = std::integral_constant<int, 32>;
       using T64 = std::integral_constant<int, 64>;
-      if (mode == 2) go(I2(), T64());  // the scan's maps: enough CTAs already
-      // 32-column tiles pay off for the backward's state pass only: with the output fused, the forward re-reads
-      // W, K and Q per tile, and 32-column tiles measured slower (1x32768, HV=32: 2.86 ms against 2.63 ms)
-      else if (mode == 0) go(I0(), T64());
-      else if (p.tile32) go(I1(), T32());
-      else go(I1(), T64());
+      if (mode == 2) go(I2(), T64(), I1());  // the scan's maps: enough CTAs already
+      else if (mode == 1) {
+        if (p.tile32) go(I1(), T32(), I1());
+        else go(I1(), T64(), I1());
+      } else if (KC == 128 && p.tile32) {
+        // few CTAs: 32-column tiles with K split over two warps (4 warps per CTA): 1 x 32768, HV = 32 measured
+        // 2.16 ms against 2.30 with 64-column tiles; 32-column tiles of two warps (K not split) were slower.
+        go(I0(), T32(), I2());
+      } else {
+        go(I0(), T64(), I1());
+      }
     });
   }
 }
