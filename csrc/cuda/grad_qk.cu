@@ -116,19 +116,37 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
           ldb_t<St>(b, VnTs, LDC, 16 * kk, n0);
           mma<St>(dA[2 * np], a_dO, b[0]);
           mma<St>(dA[2 * np + 1], a_dO, b[1]);
-          ldb_t<St>(b, hTs, LDC, 16 * kk, n0);
-          mma<St>(dQs[2 * np], a_dO, b[0]);
-          mma<St>(dQs[2 * np + 1], a_dO, b[1]);
-          mma<St>(dWn[2 * np], a_dVn, b[0]);
-          mma<St>(dWn[2 * np + 1], a_dVn, b[1]);
+          FragB<St> bh[2];
+          ldb_t<St>(bh, hTs, LDC, 16 * kk, n0);
+          mma<St>(dQs[2 * np], a_dO, bh[0]);
+          mma<St>(dQs[2 * np + 1], a_dO, bh[1]);
+          mma<St>(dWn[2 * np], a_dVn, bh[0]);
+          mma<St>(dWn[2 * np + 1], a_dVn, bh[1]);
           ldb_t<St>(b, dhTs, LDC, 16 * kk, n0);
           mma<St>(dKt[2 * np], a_Vn, b[0]);
           mma<St>(dKt[2 * np + 1], a_Vn, b[1]);
+          // sum(hT o dhT) from the fragments both products just loaded (same positions): the row blocks kk are
+          // loaded by every rg, so warp rg counts block kk == rg only
+          if constexpr (sizeof(St) == 2) {
+            if (kk == rg) {
+#pragma unroll
+              for (int t = 0; t < 2; ++t)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                  float2 x, y;
+                  if constexpr (std::is_same_v<St, __half>) { x = unpack_f16(bh[t].x[r]); y = unpack_f16(b[t].x[r]); }
+                  else { x = unpack_bf16(bh[t].x[r]); y = unpack_bf16(b[t].x[r]); }
+                  sdot += x.x * y.x + x.y * y.y;
+                }
+            }
+          }
         }
       }
-      for (int idx = tid; idx < C * C; idx += 256) {
-        const int r = idx >> 6, cc = idx & 63;
-        sdot += to_f<St>(hTs[r * LDC + cc]) * to_f<St>(dhTs[r * LDC + cc]);
+      if constexpr (sizeof(St) == 4) {
+        for (int idx = tid; idx < C * C; idx += 256) {
+          const int r = idx >> 6, cc = idx & 63;
+          sdot += to_f<St>(hTs[r * LDC + cc]) * to_f<St>(dhTs[r * LDC + cc]);
+        }
       }
       __syncthreads();
     }
