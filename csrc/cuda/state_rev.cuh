@@ -15,10 +15,10 @@
 namespace gated_delta {
 namespace cuda {
 
-template <class St, int K, int TW, int KSP>
+template <class St, int K, int TW>
 struct RevCfg {
   static constexpr int NVR = TW / 16;  // warps over the rows of the state tile
-  static constexpr int KS = (K == 256) ? 2 : KSP, KW = K / KS, NT = 32 * NVR * KS;
+  static constexpr int KS = (K == 256) ? 2 : 1, KW = K / KS, NT = 32 * NVR * KS;
   static constexpr bool F32 = sizeof(St) == 4;
   static constexpr int STAGES = (!F32 && K <= 128) ? 2 : 1;
   static constexpr bool Q_ALIAS = F32 && K == 256;  // Q reuses W's buffer after the W product
@@ -29,9 +29,9 @@ struct RevCfg {
   static constexpr size_t bytes = STAGES * STAGE_BYTES + RED_BYTES;
 };
 
-template <class St, int K, int MODE, int TW, int KSP>
-__global__ void __launch_bounds__(RevCfg<St, K, TW, KSP>::NT, 1) state_rev_kernel(const Params p) {
-  using F = RevCfg<St, K, TW, KSP>;
+template <class St, int K, int MODE, int TW>
+__global__ void __launch_bounds__(RevCfg<St, K, TW>::NT, 1) state_rev_kernel(const Params p) {
+  using F = RevCfg<St, K, TW>;
   constexpr int KS = F::KS, KW = F::KW, NT = F::NT, LDK = F::LDK, LDC = F::LDC, LDT = F::LDT, NVR = F::NVR;
   extern __shared__ __align__(16) unsigned char smem[];
   float* red = reinterpret_cast<float*>(smem + F::STAGES * F::STAGE_BYTES);
@@ -109,8 +109,8 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, KSP>::NT, 1) state_rev_kerne
     stage_ptr(buf, Ws, Ks, Qs, As, Ds, gs);
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
 
-    if constexpr (MODE == 0)
-      store_frag_rows<St, KW / 8>(static_cast<St*>(p.dhT) + (chv * p.V + vt * TW + vr * 16) * K + ks * KW, K, dS, g8, q);
+    const int64_t row0 = chv * p.V + vt * TW + vr * 16;  // this warp's first row of dhT / dVn^T
+    if constexpr (MODE == 0) store_frag_rows<St, KW / 8>(static_cast<St*>(p.dhT) + row0 * K + ks * KW, K, dS, g8, q);
 
     // dS'^T K^T over this warp's half of K
     float acc2[8][4];
@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, KSP>::NT, 1) state_rev_kerne
         dvn[nt][e] = p.scale * acc1[nt][e] + __expf(gl - gs[j]) * acc2[nt][e];
       }
     if (MODE == 0 && ks == 0)
-      store_frag_rows<St, 8>(static_cast<St*>(p.dVnT) + (chv * p.V + vt * TW + vr * 16) * C, C, dvn, g8, q);
+      store_frag_rows<St, 8>(static_cast<St*>(p.dVnT) + row0 * C, C, dvn, g8, q);
 
     // dS^T <- e^{gam_L} dS'^T - dVn^T W + dO^T diag(scale e^gam) Q
     const float dl = __expf(gl);
@@ -217,22 +217,20 @@ template <class St>
 void launch_state_rev_t(const Params& p, int mode, void* stream) {
   {
     GD_HEADK_SWITCH(p.K, KC, [&] {
-      auto go = [&](auto mode_c, auto tw_c, auto ks_c) {
-        constexpr int M = decltype(mode_c)::value, TW = decltype(tw_c)::value, KSP = decltype(ks_c)::value;
-        using F = RevCfg<St, KC, TW, KSP>;
-        auto kern = state_rev_kernel<St, KC, M, TW, KSP>;
+      auto go = [&](auto mode_c, auto tw_c) {
+        constexpr int M = decltype(mode_c)::value, TW = decltype(tw_c)::value;
+        using F = RevCfg<St, KC, TW>;
+        auto kern = state_rev_kernel<St, KC, M, TW>;
         C10_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
         const int tiles = (M == 1) ? (p.V + KC) / TW : p.V / TW;
         kern<<<dim3(p.num_units, tiles, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
-      using I0 = std::integral_constant<int, 0>;
-      using I1 = std::integral_constant<int, 1>;
       using T32 = std::integral_constant<int, 32>;
       using T64 = std::integral_constant<int, 64>;
-      if (mode == 1) go(I1(), T64(), I1());  // the scan's maps: enough CTAs already
-      else if (p.tile32) go(I0(), T32(), I1());
-      else go(I0(), T64(), I1());
+      if (mode == 1) go(std::integral_constant<int, 1>(), T64());  // the scan's maps: enough CTAs already
+      else if (p.tile32) go(std::integral_constant<int, 0>(), T32());
+      else go(std::integral_constant<int, 0>(), T64());
     });
   }
 }
