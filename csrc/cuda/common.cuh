@@ -357,6 +357,28 @@ __device__ __forceinline__ void store_frag_rows(St* g, int64_t ld, const float (
   }
 }
 
+// acc += A B for a warp's 16 x 64 block (8 n-tiles of acc) over a contraction of 64, both operands in shared
+// memory. A (rows m0..) is a[m * la + k], or a[k * la + m] when AT (lda / lda_t); B is b[n * lb + b0 + k], or
+// b[k * lb + b0 + n] when BT (ldb / ldb_t): b0 offsets the contiguous index.
+template <class St, bool AT, bool BT>
+__device__ __forceinline__ void warp_mma_16x64x64(float (&acc)[8][4], const St* a, int la, int m0, const St* b, int lb,
+                                                  int b0) {
+#pragma unroll
+  for (int kt = 0; kt < 4; ++kt) {
+    FragA<St> fa;
+    if constexpr (AT) fa = lda_t<St>(a, la, m0, 16 * kt);
+    else fa = lda<St>(a, la, m0, 16 * kt);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      FragB<St> fb[2];
+      if constexpr (BT) ldb_t<St>(fb, b, lb, 16 * kt, b0 + 16 * np);
+      else ldb<St>(fb, b, lb, 16 * np, b0 + 16 * kt);
+      mma<St>(acc[2 * np], fa, fb[0]);
+      mma<St>(acc[2 * np + 1], fa, fb[1]);
+    }
+  }
+}
+
 template <int N> __device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -397,6 +419,30 @@ __device__ __forceinline__ Unit get_unit(const Params& p, int u) {
   r.cb = max(0, min(r.cb, p.NC));
   r.ce = max(r.cb, min(r.ce, p.NC));
   return r;
+}
+
+// The tile a sequential pass starts from, in the fragment layout of store_state_tile below: for a unit's map
+// (to_map), tiles past the first V columns (homog) start from the identity and the others from zero; otherwise
+// init (by unit or by sequence) when given, else zero.
+template <int K, int KW, int TW>
+__device__ __forceinline__ void load_state_tile(const Params& p, float (&S)[KW / 8][4], bool to_map, bool homog, int u,
+                                                int n, int hv, int vt, int vr, int ks, int g8, int q) {
+  const float* init = nullptr;
+  if (!to_map && p.init != nullptr)
+    init = p.init + (static_cast<int64_t>(p.init_by_unit ? u : n) * p.HV + hv) * K * p.V;
+#pragma unroll
+  for (int nt = 0; nt < KW / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int vloc = vr * 16 + g8 + 8 * (e >> 1), k = ks * KW + 8 * nt + 2 * q + (e & 1);
+      float x = 0.f;
+      if (to_map) {
+        if (homog) x = (k == vt * TW + vloc - p.V) ? 1.f : 0.f;
+      } else if (init != nullptr) {
+        x = init[static_cast<int64_t>(k) * p.V + vt * TW + vloc];
+      }
+      S[nt][e] = x;
+    }
 }
 
 // Where a sequential pass leaves its K x TW state tile, held as S^T fragments (S[nt][e] = S^T[v][k] with

@@ -136,33 +136,13 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
 #pragma unroll 1
     for (int kb = 0; kb < K / 64; ++kb) {
       const St* bA = get_dW(kb);
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt) {
-        const FragA<St> a = lda<St>(bA, LDC, 16 * warp, 16 * kt);
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          FragB<St> b[2];
-          ldb<St>(b, Ks, LDK, 16 * np, kb * 64 + 16 * kt);
-          mma<St>(aW[2 * np], a, b[0]);
-          mma<St>(aW[2 * np + 1], a, b[1]);
-        }
-      }
+      warp_mma_16x64x64<St, false, false>(aW, bA, LDC, 16 * warp, Ks, LDK, kb * 64);
     }
 #pragma unroll 1
     for (int vb = 0; vb < NVB; ++vb) {
       const St *dU, *Vb;
       get_dU_V(vb, dU, Vb, true);
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt) {
-        const FragA<St> a = lda_t<St>(dU, LDC, 16 * warp, 16 * kt);
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          FragB<St> b[2];
-          ldb<St>(b, Vb, LDC, 16 * np, 16 * kt);
-          mma<St>(aU[2 * np], a, b[0]);
-          mma<St>(aU[2 * np + 1], a, b[1]);
-        }
-      }
+      warp_mma_16x64x64<St, true, false>(aU, dU, LDC, 16 * warp, Vb, LDC, 0);
     }
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
@@ -177,17 +157,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
     float P[8][4], dM[8][4];
     zero_acc(P);
     zero_acc(dM);
-#pragma unroll
-    for (int kt = 0; kt < 4; ++kt) {
-      const FragA<St> a = lda_t<St>(TmS, LDC, 16 * warp, 16 * kt);
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        FragB<St> b[2];
-        ldb_t<St>(b, dTmS, LDC, 16 * kt, 16 * np);
-        mma<St>(P[2 * np], a, b[0]);
-        mma<St>(P[2 * np + 1], a, b[1]);
-      }
-    }
+    warp_mma_16x64x64<St, true, true>(P, TmS, LDC, 16 * warp, dTmS, LDC, 0);
 #pragma unroll
     for (int kt = 0; kt < 4; ++kt) {
       const FragA<St> a = frag_a_from_c<St>(P[2 * kt], P[2 * kt + 1], -1.f);
@@ -290,17 +260,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
       get_dU_V(vb, dU, Vb, true);
       float Y[8][4];
       zero_acc(Y);
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt) {
-        const FragA<St> at = lda_t<St>(TmS, LDC, 16 * warp, 16 * kt);
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          FragB<St> b[2];
-          ldb<St>(b, dU, LDC, 16 * np, 16 * kt);
-          mma<St>(Y[2 * np], at, b[0]);
-          mma<St>(Y[2 * np + 1], at, b[1]);
-        }
-      }
+      warp_mma_16x64x64<St, true, false>(Y, TmS, LDC, 16 * warp, dU, LDC, 0);
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll

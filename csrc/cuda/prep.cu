@@ -127,17 +127,7 @@ __global__ void __launch_bounds__(128) prep_kernel(const Params p) {
   for (int nb = 0; nb < K / 64; ++nb) {
     float acc[8][4];
     zero_acc(acc);
-#pragma unroll
-    for (int kt = 0; kt < 4; ++kt) {
-      const FragA<St> a = lda<St>(TmBG, LDC, 16 * warp, 16 * kt);
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        FragB<St> b[2];
-        ldb_t<St>(b, Ks, LDK, 16 * kt, nb * 64 + 16 * np);
-        mma<St>(acc[2 * np], a, b[0]);
-        mma<St>(acc[2 * np + 1], a, b[1]);
-      }
-    }
+    warp_mma_16x64x64<St, false, true>(acc, TmBG, LDC, 16 * warp, Ks, LDK, nb * 64);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const int i = 16 * warp + g8, col = nb * 64 + 8 * nt + 2 * q;
@@ -159,17 +149,7 @@ __global__ void __launch_bounds__(128) prep_kernel(const Params p) {
     __syncthreads();
     float acc[8][4];
     zero_acc(acc);
-#pragma unroll
-    for (int kt = 0; kt < 4; ++kt) {
-      const FragA<St> a = lda<St>(TmB, LDC, 16 * warp, 16 * kt);
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        FragB<St> b[2];
-        ldb_t<St>(b, Vs, LDC, 16 * kt, 16 * np);
-        mma<St>(acc[2 * np], a, b[0]);
-        mma<St>(acc[2 * np + 1], a, b[1]);
-      }
-    }
+    warp_mma_16x64x64<St, false, true>(acc, TmB, LDC, 16 * warp, Vs, LDC, 0);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const int i = 16 * warp + g8, col = vb * 64 + 8 * nt + 2 * q;

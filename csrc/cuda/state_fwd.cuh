@@ -80,24 +80,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
 
   // the state tile: S[nt][e] = S^T[v][k], v = vr*16 + g8 + 8*(e>>1) (in the tile), k = ks*KW + 8*nt + 2q + (e&1)
   float S[KW / 8][4];
-  {
-    const float* init = nullptr;
-    if (MODE != 2 && p.init != nullptr)
-      init = p.init + (static_cast<int64_t>(p.init_by_unit ? u : un.n) * p.HV + hv) * K * p.V;
-#pragma unroll
-    for (int nt = 0; nt < KW / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int vloc = vr * 16 + g8 + 8 * (e >> 1), k = ks * KW + 8 * nt + 2 * q + (e & 1);
-        float x = 0.f;
-        if (MODE == 2) {
-          if (homog) x = (k == vt * TW + vloc - p.V) ? 1.f : 0.f;
-        } else if (init != nullptr) {
-          x = init[static_cast<int64_t>(k) * p.V + vt * TW + vloc];
-        }
-        S[nt][e] = x;
-      }
-  }
+  load_state_tile<K, KW, TW>(p, S, MODE == 2, homog, u, un.n, hv, vt, vr, ks, g8, q);
 
 #pragma unroll 1
   for (int c = un.cb; c < un.ce; ++c) {
@@ -306,11 +289,12 @@ void launch_state_fwd_t(const Params& p, int mode, void* stream) {
       else if (mode == 1) {
         if (p.tile32) go(I1(), T32(), I1());
         else go(I1(), T64(), I1());
-      } else if (KC == 128 && p.tile32) {
-        // few CTAs: 32-column tiles with K split over two warps (4 warps per CTA): 1 x 32768, HV = 32 measured
-        // 2.16 ms against 2.30 with 64-column tiles; 32-column tiles of two warps (K not split) were slower.
-        go(I0(), T32(), I2());
       } else {
+        // few CTAs (K = 128): 32-column tiles with K split over two warps (4 warps per CTA): 1 x 32768, HV = 32
+        // measured 2.16 ms against 2.30 with 64-column tiles; 32-column tiles of two warps (K not split) were slower
+        if constexpr (KC == 128) {
+          if (p.tile32) return go(I0(), T32(), I2());
+        }
         go(I0(), T64(), I1());
       }
     });

@@ -72,24 +72,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW>::NT, 1) state_rev_kernel(con
 
   // dS[nt][e] = dS'^T[v][k], v = vr*16 + g8 + 8*(e>>1) (in the tile), k = ks*KW + 8*nt + 2q + (e&1)
   float dS[KW / 8][4];
-  {
-    const float* init = nullptr;
-    if (MODE == 0 && p.init != nullptr)
-      init = p.init + (static_cast<int64_t>(p.init_by_unit ? u : un.n) * p.HV + hv) * K * p.V;
-#pragma unroll
-    for (int nt = 0; nt < KW / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int vloc = vr * 16 + g8 + 8 * (e >> 1), k = ks * KW + 8 * nt + 2 * q + (e & 1);
-        float x = 0.f;
-        if (MODE == 1) {
-          if (homog) x = (k == vt * TW + vloc - p.V) ? 1.f : 0.f;
-        } else if (init != nullptr) {
-          x = init[static_cast<int64_t>(k) * p.V + vt * TW + vloc];
-        }
-        dS[nt][e] = x;
-      }
-  }
+  load_state_tile<K, KW, TW>(p, dS, MODE == 1, homog, u, un.n, hv, vt, vr, ks, g8, q);
 
 #pragma unroll 1
   for (int c = un.ce - 1; c >= un.cb; --c) {
