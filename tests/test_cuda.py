@@ -34,6 +34,9 @@ CASES = {
     "varlen": (1, 200, 2, 4, 128, 64, True, [0, 5, 5, 70, 200], False),
     "varlen_empty_ends": (1, 130, 1, 2, 64, 64, True, [0, 0, 65, 130, 130], False),
     "options": (2, 90, 2, 4, 128, 128, True, None, True),
+    # enough (sequence x value head x 64 columns) CTAs, 256, for the state passes to take their 64-column tiles
+    # (smaller grids, like every case above on an H200, take 32-column ones)
+    "wide_grid": (2, 130, 8, 64, 128, 128, True, None, False),
 }
 
 _REF_CACHE = {}
