@@ -9,6 +9,8 @@ is the wall time of a fresh process importing the package and running a first fo
     python benchmarks/bench_gpu.py --out DIR [--no-fla] [--reps 20] [--rows 1x32768:16:64,...]
 
 Writes DIR/bench_gpu.md (tables), DIR/bench_gpu.json and DIR/bench_gpu.png (time vs tokens).
+FLA's Triton kernels compile (and autotune) on first use, minutes on a fresh machine; Triton keeps them in
+TRITON_CACHE_DIR (default ~/.triton/cache), so pointing that at a folder kept between runs skips the compilation.
 FLA 0.6's gated backward refuses to run on Hopper with Triton < 3.7.1 (a correctness concern of its dq/dk kernel on
 those Triton versions); for timing only the benchmark lifts that guard and says so in its output.
 """
