@@ -70,6 +70,11 @@ template <> __device__ __forceinline__ void st2<__half>(__half* p, float a, floa
 template <> __device__ __forceinline__ void st2<float>(float* p, float a, float b) {
   *reinterpret_cast<float2*>(p) = make_float2(a, b);
 }
+// two consecutive gradient elements at g + off: in the input dtype St, or in fp32 when f32 (Params::grad_f32)
+template <class St> __device__ __forceinline__ void st2_grad(void* g, int64_t off, float a, float b, bool f32) {
+  if (f32) st2<float>(static_cast<float*>(g) + off, a, b);
+  else st2<St>(static_cast<St*>(g) + off, a, b);
+}
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -144,6 +149,12 @@ __device__ __forceinline__ float2 unpack_bf16(uint32_t u) {
 __device__ __forceinline__ float2 unpack_f16(uint32_t u) {
   __half2 v = *reinterpret_cast<__half2*>(&u);
   return __half22float2(v);
+}
+// a packed pair of a 16-bit storage type (an operand register) as two floats
+template <class St> __device__ __forceinline__ float2 unpack2(uint32_t u) {
+  static_assert(sizeof(St) == 2, "packed pairs are 16-bit types");
+  if constexpr (std::is_same_v<St, __half>) return unpack_f16(u);
+  else return unpack_bf16(u);
 }
 
 template <class St> struct FragA { uint32_t x[4]; };
@@ -269,8 +280,7 @@ __device__ __forceinline__ FragA<St> lda_t_scaled(const St* s, int ld, int m0, i
     const float fa[4][2] = {{f0, f1}, {f0, f1}, {f8, f9}, {f8, f9}};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      float2 v;
-      if constexpr (std::is_same<St, __half>::value) v = unpack_f16(r.x[i]); else v = unpack_bf16(r.x[i]);
+      const float2 v = unpack2<St>(r.x[i]);
       Pack<St>::put(a.x, a.x, i, v.x * fa[i][0], v.y * fa[i][1]);
     }
   } else {
@@ -332,10 +342,7 @@ __device__ __forceinline__ void store_frag_rows(St* g, int64_t ld, const float (
       for (int hr = 0; hr < 2; ++hr) {
         uint32_t y[4];
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          if constexpr (std::is_same_v<St, __half>) y[t] = pack_f16(F[4 * m + t][2 * hr], F[4 * m + t][2 * hr + 1]);
-          else y[t] = pack_bf16(F[4 * m + t][2 * hr], F[4 * m + t][2 * hr + 1]);
-        }
+        for (int t = 0; t < 4; ++t) Pack<St>::put(y, y, t, F[4 * m + t][2 * hr], F[4 * m + t][2 * hr + 1]);
 #pragma unroll
         for (int b = 1; b <= 2; b <<= 1)
 #pragma unroll

@@ -133,9 +133,7 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
               for (int t = 0; t < 2; ++t)
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                  float2 x, y;
-                  if constexpr (std::is_same_v<St, __half>) { x = unpack_f16(bh[t].x[r]); y = unpack_f16(b[t].x[r]); }
-                  else { x = unpack_bf16(bh[t].x[r]); y = unpack_bf16(b[t].x[r]); }
+                  const float2 x = unpack2<St>(bh[t].x[r]), y = unpack2<St>(b[t].x[r]);
                   sdot += x.x * y.x + x.y * y.y;
                 }
             }
@@ -258,10 +256,7 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
       const int i = 16 * rg + g8 + 8 * hr;
       if (i < ci.len) {
         const int64_t off = (ci.bos + i) * HK + h * K + kb * 64 + 32 * chf + 8 * nt + 2 * q;
-        if (p.grad_f32)
-          st2<float>(static_cast<float*>(p.dq) + off, dQ[nt][2 * hr], dQ[nt][2 * hr + 1]);
-        else
-          st2<St>(static_cast<St*>(p.dq) + off, dQ[nt][2 * hr], dQ[nt][2 * hr + 1]);
+        st2_grad<St>(p.dq, off, dQ[nt][2 * hr], dQ[nt][2 * hr + 1], p.grad_f32);
         st2<float>(p.dk1 + off, dK1[nt][2 * hr], dK1[nt][2 * hr + 1]);
       }
     }

@@ -271,10 +271,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
           ry[hr] += to_f<St>(Vb[i * LDC + vl]) * y0 + to_f<St>(Vb[i * LDC + vl + 1]) * y1;
           if (i < ci.len) {
             const int64_t off = (ci.bos + i) * p.HV * V + static_cast<int64_t>(hv) * V + vb * 64 + vl;
-            if (p.grad_f32)
-              st2<float>(static_cast<float*>(p.dv) + off, bet[i] * y0, bet[i] * y1);
-            else
-              st2<St>(static_cast<St*>(p.dv) + off, bet[i] * y0, bet[i] * y1);
+            st2_grad<St>(p.dv, off, bet[i] * y0, bet[i] * y1, p.grad_f32);
           }
         }
     }

@@ -175,9 +175,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
         if (!homog) {
           const FragA<St> ua = lda_t<St>(Us, LDT, vr * 16, 16 * kk);
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            if constexpr (std::is_same_v<St, __half>) u[i] = unpack_f16(ua.x[i]); else u[i] = unpack_bf16(ua.x[i]);
-          }
+          for (int i = 0; i < 4; ++i) u[i] = unpack2<St>(ua.x[i]);
         }
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
