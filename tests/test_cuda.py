@@ -37,6 +37,10 @@ CASES = {
     # enough (sequence x value head x 64 columns) CTAs, 256, for the state passes to take their 64-column tiles
     # (smaller grids, like every case above on an H200, take 32-column ones)
     "wide_grid": (2, 130, 8, 64, 128, 128, True, None, False),
+    # the preparation walks several value heads per CTA when the grid stays at two or more CTAs per SM: on an
+    # H200 (132 SMs) all of a group here (18 chunks x 16 q/k heads), half a group in the next case (14 x 10)
+    "prep_whole_group": (2, 530, 16, 32, 128, 128, True, None, False),
+    "prep_half_group": (2, 400, 10, 40, 64, 64, False, None, True),
 }
 
 _REF_CACHE = {}

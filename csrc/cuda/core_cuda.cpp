@@ -201,7 +201,15 @@ Params base_params(const CoreArgs& a, const Layout& L) {
   // on the H200, 64 -> 128 CTAs sped up the backward's state passes (1 x 32768, HV = 32), but 128 -> 256 slowed
   // the reverse pass by 1.6x (HV = 64), so only below half the SM count
   const int64_t ctas64 = static_cast<int64_t>(L.num_units) * p.HV * (p.V / 64);
-  p.tile32 = 2 * ctas64 <= num_sms(a.q) ? 1 : 0;
+  const int sms = num_sms(a.q);
+  p.tile32 = 2 * ctas64 <= sms ? 1 : 0;
+  // The preparation computes K K^T and Q K^T once for the value heads it walks: all G heads of a group per CTA,
+  // unless that leaves fewer than two CTAs per SM; then the largest divisor of G that does not
+  int heads = p.G;
+  while (heads > 1 && static_cast<int64_t>(p.NC) * p.H * (p.G / heads) < 2 * sms) {
+    do --heads; while (p.G % heads != 0);
+  }
+  p.prep_heads = heads;
   return p;
 }
 

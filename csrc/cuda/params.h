@@ -40,6 +40,7 @@ struct Params {
   int seg;               // chunks per unit (equal-length)
   int segs_per_seq;      // units per sequence (equal-length)
   int tile32;            // state kernels: 32-column tiles of the state (more CTAs) instead of 64
+  int prep_heads;        // value heads per preparation CTA (a divisor of G; they share K K^T and Q K^T)
 
   // inputs
   const void* q;

@@ -1,7 +1,9 @@
-// Chunk-parallel preparation, one CTA of 4 warps per (chunk, value head):
+// Chunk-parallel preparation, one CTA of 4 warps per (chunk, p.prep_heads value heads of one q/k head):
 //   gam = in-chunk cumsum of g;  M = strictly-lower(beta_i k_i.k_j e^{gam_i - gam_j});  Tm = (I + M)^-1
 //   W = Tm diag(beta e^gam) K,   U = Tm diag(beta) V,   A = lower(q_i.k_j e^{gam_i - gam_j})   (incl. diagonal)
-// KK^T and QK^T, W and U run on tensor cores (fp32 accumulation); the inverse is fp32 (blockwise, 16 x 16 blocks).
+// K K^T and Q K^T are the same for every value head of a group: a CTA computes them once, keeps them in registers
+// and walks its value heads. KK^T and QK^T, W and U run on tensor cores (fp32 accumulation); the inverse is fp32
+// (blockwise, 16 x 16 blocks).
 #include <c10/cuda/CUDAException.h>
 
 #include "common.cuh"
@@ -17,10 +19,13 @@ struct PrepSmem {
   // fp32 region: Mf, Tf (the V tile reuses it once the inverse is done), inverse scratch, gam, beta, beta e^gam
   static constexpr size_t bytes = sizeof(St) * (size_t)(C * LDK + R1) + sizeof(float) * (2 * C * (C + 1) + kInvScratch + 3 * C);
   static_assert(sizeof(St) * C * LDC <= sizeof(float) * 2 * C * (C + 1), "V tile must fit over Mf and Tf");
+  // K K^T and Q K^T stay in registers across the value heads (64 per thread): three CTAs per SM still fit for
+  // 16-bit inputs at K <= 128 (shared memory allows three there)
+  static constexpr int kMinBlocks = (sizeof(St) == 2 && K <= 128) ? 3 : 2;
 };
 
 template <class St, int K>
-__global__ void __launch_bounds__(128) prep_kernel(const Params p) {
+__global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(const Params p) {
   using S = PrepSmem<St, K>;
   constexpr int LDK = S::LDK, LDC = S::LDC, LDF = C + 1;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -34,39 +39,31 @@ __global__ void __launch_bounds__(128) prep_kernel(const Params p) {
   float* bet = gam + C;
   float* beg = bet + C;
 
-  // a linear grid with the value heads of a chunk adjacent: they share K and Q, which then come from L2
-  const int hv = blockIdx.x % p.HV, c = blockIdx.x / p.HV, h = hv / p.G;
+  // a linear grid with the head blocks of a chunk adjacent (they share K and Q, which then come from L2)
+  const int blocks = p.HV / p.prep_heads;
+  const int hv0 = (blockIdx.x % blocks) * p.prep_heads, c = blockIdx.x / blocks, h = hv0 / p.G;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
   const ChunkInfo ci = chunk_info(p, c);
-  const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
 
   const St* kg = static_cast<const St*>(p.k) + (ci.bos * p.H + h) * K;
   const St* qg = static_cast<const St*>(p.q) + (ci.bos * p.H + h) * K;
-  const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V;
   load_tile<St, C, K, 128>(Ks, LDK, kg, static_cast<int64_t>(p.H) * K, ci.len, tid);
   load_tile<St, C, K, 128>(R1, LDK, qg, static_cast<int64_t>(p.H) * K, ci.len, tid);
   cp_async_commit();
 
-  if (warp == 0) {
-    const int i0 = 2 * lane, i1 = i0 + 1;
-    float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
+  // warp 0 holds the gates and betas of rows 2 lane, 2 lane + 1 of the next value head
+  const int i0 = 2 * lane, i1 = i0 + 1;
+  float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
+  auto fetch_gates = [&](int hv) {
+    a0 = a1 = b0 = b1 = 0.f;
     if (i0 < ci.len) { a0 = p.g[(ci.bos + i0) * p.HV + hv]; b0 = p.beta[(ci.bos + i0) * p.HV + hv]; }
     if (i1 < ci.len) { a1 = p.g[(ci.bos + i1) * p.HV + hv]; b1 = p.beta[(ci.bos + i1) * p.HV + hv]; }
-    const float incl = warp_incl_scan(a0 + a1);
-    float excl = __shfl_up_sync(0xffffffffu, incl, 1);
-    if (lane == 0) excl = 0.f;
-    const float y0 = excl + a0;
-    gam[i0] = y0;
-    gam[i1] = y0 + a1;
-    bet[i0] = b0;
-    bet[i1] = b1;
-    beg[i0] = b0 * __expf(y0);
-    beg[i1] = b1 * __expf(y0 + a1);
-  }
-  cp_async_wait<0>();
-  __syncthreads();
+  };
+  if (warp == 0) fetch_gates(hv0);
 
   // K K^T and Q K^T: each warp 16 rows x 64 columns
+  cp_async_wait<0>();
+  __syncthreads();
   float kk[8][4], qk[8][4];
   zero_acc(kk);
   zero_acc(qk);
@@ -84,77 +81,99 @@ __global__ void __launch_bounds__(128) prep_kernel(const Params p) {
       mma<St>(qk[2 * np + 1], aq, b[1]);
     }
   }
-  St* Ag = static_cast<St*>(p.A) + chv * C * C;
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int i = 16 * warp + g8 + 8 * hr;
-      float av[2];
-#pragma unroll
-      for (int e1 = 0; e1 < 2; ++e1) {
-        const int j = 8 * nt + 2 * q + e1;
-        const float E = (i >= j) ? __expf(gam[i] - gam[j]) : 0.f;
-        Mf[i * LDF + j] = (i > j) ? bet[i] * kk[nt][2 * hr + e1] * E : 0.f;
-        av[e1] = qk[nt][2 * hr + e1] * E;
-      }
-      st2<St>(Ag + i * C + 8 * nt + 2 * q, av[0], av[1]);
-    }
-  }
-  __syncthreads();
-  block_inverse(Mf, Tf, Pf, tid);
 
-  // Tm diag(beta) and Tm diag(beta e^gam) as operand tiles (Q is no longer needed: reuse its space)
-  St* TmB = R1;
-  St* TmBG = R1 + C * LDC;
-  St* Tmg = p.Tm != nullptr ? static_cast<St*>(p.Tm) + chv * C * C : nullptr;
-  for (int e = tid; e < C * C / 2; e += 128) {  // two consecutive columns per step
-    const int i = e / (C / 2), j = 2 * (e % (C / 2));
-    const float t0 = Tf[i * LDF + j], t1 = Tf[i * LDF + j + 1];
-    st2<St>(TmB + i * LDC + j, t0 * bet[j], t1 * bet[j + 1]);
-    st2<St>(TmBG + i * LDC + j, t0 * beg[j], t1 * beg[j + 1]);
-    if (Tmg != nullptr) st2<St>(Tmg + i * C + j, t0, t1);
-  }
-  if (tid < C) p.gam[chv * C + tid] = gam[tid];
-  __syncthreads();
-  // the V tile goes where M and Tm were
-  load_tile<St, C, C, 128>(Vs, LDC, vg, static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
-  cp_async_commit();
-
-  // W = (Tm diag(beta e^gam)) K, in 64-column blocks
-  St* Wg = static_cast<St*>(p.W) + chv * C * K;
 #pragma unroll 1
-  for (int nb = 0; nb < K / 64; ++nb) {
-    float acc[8][4];
-    zero_acc(acc);
-    warp_mma_16x64x64<St, false, true>(acc, TmBG, LDC, 16 * warp, Ks, LDK, nb * 64);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int i = 16 * warp + g8, col = nb * 64 + 8 * nt + 2 * q;
-      st2<St>(Wg + i * K + col, acc[nt][0], acc[nt][1]);
-      st2<St>(Wg + (i + 8) * K + col, acc[nt][2], acc[nt][3]);
+  for (int hv = hv0; hv < hv0 + p.prep_heads; ++hv) {
+    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+    if (warp == 0) {
+      const float incl = warp_incl_scan(a0 + a1);
+      float excl = __shfl_up_sync(0xffffffffu, incl, 1);
+      if (lane == 0) excl = 0.f;
+      const float y0 = excl + a0;
+      gam[i0] = y0;
+      gam[i1] = y0 + a1;
+      bet[i0] = b0;
+      bet[i1] = b1;
+      beg[i0] = b0 * __expf(y0);
+      beg[i1] = b1 * __expf(y0 + a1);
+      if (hv + 1 < hv0 + p.prep_heads) fetch_gates(hv + 1);  // in flight during this head's work
     }
-  }
-
-  // U = (Tm diag(beta)) V, one 64-column block of V at a time
-  St* Ug = static_cast<St*>(p.U) + chv * C * p.V;
-#pragma unroll 1
-  for (int vb = 0; vb < p.V / 64; ++vb) {
-    if (vb > 0) {
-      __syncthreads();
-      load_tile<St, C, C, 128>(Vs, LDC, vg + vb * 64, static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
-      cp_async_commit();
-    }
-    cp_async_wait<0>();
+    // gates visible; the previous head's products are done with Q (first head) or with V and Tm (later heads)
     __syncthreads();
-    float acc[8][4];
-    zero_acc(acc);
-    warp_mma_16x64x64<St, false, true>(acc, TmB, LDC, 16 * warp, Vs, LDC, 0);
+
+    St* Ag = static_cast<St*>(p.A) + chv * C * C;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      const int i = 16 * warp + g8, col = vb * 64 + 8 * nt + 2 * q;
-      st2<St>(Ug + static_cast<int64_t>(i) * p.V + col, acc[nt][0], acc[nt][1]);
-      st2<St>(Ug + static_cast<int64_t>(i + 8) * p.V + col, acc[nt][2], acc[nt][3]);
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int i = 16 * warp + g8 + 8 * hr;
+        float av[2];
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+          const int j = 8 * nt + 2 * q + e1;
+          const float E = (i >= j) ? __expf(gam[i] - gam[j]) : 0.f;
+          Mf[i * LDF + j] = (i > j) ? bet[i] * kk[nt][2 * hr + e1] * E : 0.f;
+          av[e1] = qk[nt][2 * hr + e1] * E;
+        }
+        st2<St>(Ag + i * C + 8 * nt + 2 * q, av[0], av[1]);
+      }
+    }
+    __syncthreads();
+    block_inverse(Mf, Tf, Pf, tid);
+
+    // Tm diag(beta) and Tm diag(beta e^gam) as operand tiles (where Q was)
+    St* TmB = R1;
+    St* TmBG = R1 + C * LDC;
+    St* Tmg = p.Tm != nullptr ? static_cast<St*>(p.Tm) + chv * C * C : nullptr;
+    for (int e = tid; e < C * C / 2; e += 128) {  // two consecutive columns per step
+      const int i = e / (C / 2), j = 2 * (e % (C / 2));
+      const float t0 = Tf[i * LDF + j], t1 = Tf[i * LDF + j + 1];
+      st2<St>(TmB + i * LDC + j, t0 * bet[j], t1 * bet[j + 1]);
+      st2<St>(TmBG + i * LDC + j, t0 * beg[j], t1 * beg[j + 1]);
+      if (Tmg != nullptr) st2<St>(Tmg + i * C + j, t0, t1);
+    }
+    if (tid < C) p.gam[chv * C + tid] = gam[tid];
+    __syncthreads();
+    // the V tile goes where M and Tm were
+    const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V;
+    load_tile<St, C, C, 128>(Vs, LDC, vg, static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
+    cp_async_commit();
+
+    // W = (Tm diag(beta e^gam)) K, in 64-column blocks
+    St* Wg = static_cast<St*>(p.W) + chv * C * K;
+#pragma unroll 1
+    for (int nb = 0; nb < K / 64; ++nb) {
+      float acc[8][4];
+      zero_acc(acc);
+      warp_mma_16x64x64<St, false, true>(acc, TmBG, LDC, 16 * warp, Ks, LDK, nb * 64);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int i = 16 * warp + g8, col = nb * 64 + 8 * nt + 2 * q;
+        st2<St>(Wg + i * K + col, acc[nt][0], acc[nt][1]);
+        st2<St>(Wg + (i + 8) * K + col, acc[nt][2], acc[nt][3]);
+      }
+    }
+
+    // U = (Tm diag(beta)) V, one 64-column block of V at a time
+    St* Ug = static_cast<St*>(p.U) + chv * C * p.V;
+#pragma unroll 1
+    for (int vb = 0; vb < p.V / 64; ++vb) {
+      if (vb > 0) {
+        __syncthreads();
+        load_tile<St, C, C, 128>(Vs, LDC, vg + vb * 64, static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
+        cp_async_commit();
+      }
+      cp_async_wait<0>();
+      __syncthreads();
+      float acc[8][4];
+      zero_acc(acc);
+      warp_mma_16x64x64<St, false, true>(acc, TmB, LDC, 16 * warp, Vs, LDC, 0);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int i = 16 * warp + g8, col = vb * 64 + 8 * nt + 2 * q;
+        st2<St>(Ug + static_cast<int64_t>(i) * p.V + col, acc[nt][0], acc[nt][1]);
+        st2<St>(Ug + static_cast<int64_t>(i + 8) * p.V + col, acc[nt][2], acc[nt][3]);
+      }
     }
   }
 }
@@ -166,7 +185,7 @@ void launch_prep(const Params& p, int dtype, void* stream) {
       const size_t smem = PrepSmem<St, KC>::bytes;
       auto kern = prep_kernel<St, KC>;
       C10_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), smem));
-      kern<<<dim3(p.NC * p.HV), 128, smem, static_cast<cudaStream_t>(stream)>>>(p);
+      kern<<<dim3(p.NC * (p.HV / p.prep_heads)), 128, smem, static_cast<cudaStream_t>(stream)>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
