@@ -8,7 +8,8 @@
 // affine map of a unit of chunks (the scan): tiles of the first V columns start from 0 (giving B), tiles of the
 // next K columns start from the identity with U = 0 (giving the linear part A).
 // Warps: one per 16 columns of the tile; K = 256 (and K = 128 in the forward's 32-column tiles) splits K over two
-// warps, whose partial products over K are summed through shared memory in a fixed order. The next chunk's tiles
+// warps, whose partial products over K are summed through shared memory in a fixed order (in mode 0 each warp of
+// the pair then finishes O^T for half of the chunk's tokens). The next chunk's tiles
 // are prefetched with cp.async (2 stages where they fit).
 #pragma once
 
@@ -140,17 +141,20 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
       }
     }
     if constexpr (KS == 2) {
+      // the partial products over K are summed through shared memory; in mode 0 each warp of a pair then
+      // finishes half of the chunk's tokens of O^T (warp ks: n-tiles 4 ks .. 4 ks + 3), so it hands the other
+      // half of its partial S^T Q^T to its partner
       float* mine = red + (ks * NVR + vr) * 1024 + lane;
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) mine[(nt * 4 + e) * 32] = acc_vn[nt][e];
-      float* opart = red + 2 * NVR * 1024 + vr * 1024 + lane;
-      if (MODE == 0 && ks == 1) {
+      if constexpr (MODE == 0) {
+        float* give = red + 2 * NVR * 1024 + (ks * NVR + vr) * 512 + lane;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) opart[(nt * 4 + e) * 32] = acc_o[nt][e];
+          for (int e = 0; e < 4; ++e) give[(j * 4 + e) * 32] = ks ? acc_o[j][e] : acc_o[j + 4][e];
       }
       __syncthreads();
       const float* p0 = red + vr * 1024 + lane;
@@ -158,10 +162,18 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          acc_vn[nt][e] = p0[(nt * 4 + e) * 32] + p1[(nt * 4 + e) * 32];
-          if (MODE == 0 && ks == 0) acc_o[nt][e] += opart[(nt * 4 + e) * 32];
-        }
+        for (int e = 0; e < 4; ++e) acc_vn[nt][e] = p0[(nt * 4 + e) * 32] + p1[(nt * 4 + e) * 32];
+      if constexpr (MODE == 0) {
+        // this warp's half, moved to n-tiles 0..3 (the partner's part added in a fixed order: ks 0 + ks 1)
+        const float* take = red + 2 * NVR * 1024 + ((1 - ks) * NVR + vr) * 512 + lane;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float other = take[(j * 4 + e) * 32];
+            acc_o[j][e] = ks ? other + acc_o[j + 4][e] : acc_o[j][e] + other;
+          }
+      }
       __syncthreads();
     }
 
@@ -203,30 +215,31 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
     }
 
     if constexpr (MODE == 0) {
-      if (ks == 0) {
+      // O^T of this warp's tokens t0 .. t0 + 8 NO - 1 (all 64 unless K is split over a warp pair)
+      constexpr int NO = (KS == 2) ? 4 : 8;
+      const int t0 = (KS == 2) ? 32 * ks : 0;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+      for (int nt = 0; nt < NO; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc_o[nt][e] *= p.scale * __expf(gs[8 * nt + 2 * q + (e & 1)]);
+        for (int e = 0; e < 4; ++e) acc_o[nt][e] *= p.scale * __expf(gs[t0 + 8 * nt + 2 * q + (e & 1)]);
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          const FragA<St> a = frag_a_from_c<St>(vn[2 * kk], vn[2 * kk + 1], p.scale);
+      for (int kk = 0; kk < 4; ++kk) {
+        const FragA<St> a = frag_a_from_c<St>(vn[2 * kk], vn[2 * kk + 1], p.scale);
 #pragma unroll
-          for (int np = 0; np < 4; ++np) {
-            FragB<St> b[2];
-            ldb<St>(b, As, LDC, 16 * np, 16 * kk);
-            mma<St>(acc_o[2 * np], a, b[0]);
-            mma<St>(acc_o[2 * np + 1], a, b[1]);
-          }
+        for (int np = 0; np < NO / 2; ++np) {
+          FragB<St> b[2];
+          ldb<St>(b, As, LDC, t0 + 16 * np, 16 * kk);
+          mma<St>(acc_o[2 * np], a, b[0]);
+          mma<St>(acc_o[2 * np + 1], a, b[1]);
         }
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = 8 * nt + 2 * q + (e & 1), vloc = vr * 16 + g8 + 8 * (e >> 1);
-            Os[i * LDT + vloc] = from_f<St>(acc_o[nt][e]);
-          }
       }
+#pragma unroll
+      for (int nt = 0; nt < NO; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = t0 + 8 * nt + 2 * q + (e & 1), vloc = vr * 16 + g8 + 8 * (e >> 1);
+          Os[i * LDT + vloc] = from_f<St>(acc_o[nt][e]);
+        }
       __syncthreads();
       constexpr int EPV = 16 / sizeof(St), VPR = TW / EPV;
       St* og = static_cast<St*>(p.o) + (ci.bos * p.HV + hv) * p.V + vt * TW;
