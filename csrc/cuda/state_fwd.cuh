@@ -9,8 +9,8 @@
 // next K columns start from the identity with U = 0 (giving the linear part A).
 // Warps: one per 16 columns of the tile; K = 256 (and K = 128 in the forward's 32-column tiles) splits K over two
 // warps, whose partial products over K are summed through shared memory in a fixed order (in mode 0 each warp of
-// the pair then finishes O^T for half of the chunk's tokens). The next chunk's tiles
-// are prefetched with cp.async (2 stages where they fit).
+// the pair then finishes O^T for half of the chunk's tokens). The next chunk's tiles are prefetched with cp.async
+// (2 stages where they fit).
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
