@@ -49,13 +49,15 @@ LINK_ARGS = ["-fopenmp", "-Wl,-Bdynamic", "-l:libstdc++.so.6"]
 
 def _extensions():
     rel = lambda paths: sorted(os.path.relpath(p, ROOT) for p in paths)  # noqa: E731
-    sources = rel(glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
+    # csrc/*.cpp (schemas, autograd, checks) and the CPU backend, csrc/cpu/**; the CUDA backend is csrc/cuda/**
+    src = lambda *parts: glob.glob(os.path.join(ROOT, "csrc", *parts), recursive=True)  # noqa: E731
+    sources = rel(src("*.cpp") + src("cpu", "**", "*.cpp"))
     # The C++ standard is left to torch.utils.cpp_extension, which matches the one torch was built with (C++20):
     # mixing standards across the torch headers breaks the one-definition rule.
     cxx = ["-O3", "-fopenmp", "-DGATED_DELTA_PYTHON_MODULE"]
     define_macros = [("Py_LIMITED_API", "0x03090000")]
     if _want_cuda():
-        sources += rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")) + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
+        sources += rel(src("cuda", "**", "*.cu") + src("cuda", "**", "*.cpp"))
         nvcc = ["-O3", "--use_fast_math", "--expt-relaxed-constexpr", "-lineinfo",
                 "-DGATED_DELTA_WITH_CUDA"] + _gencode_flags()
         return [CUDAExtension("gated_delta._C", sources,

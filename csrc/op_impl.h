@@ -8,7 +8,7 @@
 #include <tuple>
 
 #include "checks.h"
-#include "core.h"
+#include "delta_rule.h"
 
 namespace gated_delta {
 

@@ -2,7 +2,7 @@
 //   y[t, d] = act(bias[d] + sum_{j<W} w[d, j] x[t - (W-1) + j, d])      (per sequence; before its start: h0 or 0)
 // A thread owns one channel and a run of consecutive tokens, with the last W-1 inputs in registers; the threads of
 // a block cover consecutive channels, so every global access is coalesced across the warp.
-#include "layer_common.cuh"
+#include "device_utils.cuh"
 
 namespace gated_delta {
 namespace layer_cuda {

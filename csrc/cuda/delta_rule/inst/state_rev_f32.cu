@@ -1,5 +1,5 @@
 // state_rev kernels for float inputs (one translation unit per dtype: they compile in parallel).
-#include "state_rev.cuh"
+#include "../state_rev.cuh"
 
 namespace gated_delta {
 namespace cuda {

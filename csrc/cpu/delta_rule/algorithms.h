@@ -2,10 +2,10 @@
 // entry points of the three algorithms (recurrent.cpp, chunk.cpp, scan.cpp).
 //
 // Everything runs in the state dtype T (float, or double for float64 inputs) on contiguous copies of the inputs
-// made once by core_cpu.cpp, laid out so that each (sequence, value head) unit reads contiguous rows:
+// made once by cpu/delta_rule.cpp, laid out so that each (sequence, value head) unit reads contiguous rows:
 //   q, k:        [B, H, T, K]      v, o, d_o:  [B, HV, T, V]      g, beta:  [B, HV, T]
 //   states:      [N, HV, K, V]     (initial state, final state, their gradients)
-//   dq, dk:      [B, HV, T, K]     per VALUE head; core_cpu.cpp sums each group in a fixed order afterwards.
+//   dq, dk:      [B, HV, T, K]     per VALUE head; cpu/delta_rule.cpp sums each group in a fixed order afterwards.
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -12,8 +12,8 @@
 //   dK += diag(beta e^gam) Tm^T dW + R K + R^T K (R = dM o beta_i E),  dV = diag(beta) Tm^T dU,  dbeta, dg.
 #include <c10/cuda/CUDAException.h>
 
-#include "common.cuh"
-#include "static_switch.h"
+#include "mma.cuh"
+#include "../dispatch.cuh"
 
 namespace gated_delta {
 namespace cuda {

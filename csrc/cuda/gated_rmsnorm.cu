@@ -2,7 +2,7 @@
 //   y = x rstd w silu(g),  rstd = (mean(x^2) + eps)^(-1/2)
 // One warp per row; the backward sums each block's weight gradient in shared memory and writes one partial row
 // per block (summed afterwards in a fixed order: deterministic).
-#include "layer_common.cuh"
+#include "device_utils.cuh"
 
 namespace gated_delta {
 namespace layer_cuda {

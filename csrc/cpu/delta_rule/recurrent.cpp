@@ -9,7 +9,7 @@
 #include <cstring>
 #include <utility>
 
-#include "cpu_internal.h"
+#include "algorithms.h"
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define GATED_DELTA_AVX2_DISPATCH 1

@@ -6,8 +6,8 @@
 // gradient). States use the [K][V] layout of the user's states.
 #include <c10/cuda/CUDAException.h>
 
-#include "common.cuh"
-#include "static_switch.h"
+#include "mma.cuh"
+#include "../dispatch.cuh"
 
 namespace gated_delta {
 namespace cuda {

@@ -3,8 +3,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include "../core.h"
-#include "cpu_internal.h"
+#include "../delta_rule.h"
+#include "delta_rule/algorithms.h"
 
 namespace gated_delta {
 namespace {

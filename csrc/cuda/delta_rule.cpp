@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "../checks.h"
-#include "../core.h"
-#include "params.h"
+#include "../delta_rule.h"
+#include "delta_rule/params.h"
 
 namespace gated_delta {
 

@@ -13,8 +13,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 
-#include "common.cuh"
-#include "static_switch.h"
+#include "mma.cuh"
+#include "../dispatch.cuh"
 
 namespace gated_delta {
 namespace cuda {

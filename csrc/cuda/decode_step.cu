@@ -10,7 +10,7 @@
 // 4 * CT floats). The state tile stays in registers across the T tokens; the column sums over K reduce with warp
 // shuffles and one shared-memory step across the warps. The state is loaded and stored with streaming
 // (evict-first) hints: it is touched once per step, and the hints measured 15-20% faster at B >= 64.
-#include "layer_common.cuh"
+#include "device_utils.cuh"
 
 namespace gated_delta {
 namespace layer_cuda {

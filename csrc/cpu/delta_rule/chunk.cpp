@@ -6,7 +6,7 @@
 // within-chunk quantities and passing dL/dS back to the previous chunk.
 #include <cstring>
 
-#include "cpu_internal.h"
+#include "algorithms.h"
 
 namespace gated_delta {
 namespace cpu {

@@ -9,8 +9,8 @@
 
 #include <c10/cuda/CUDAException.h>
 
-#include "common.cuh"
-#include "static_switch.h"
+#include "mma.cuh"
+#include "../dispatch.cuh"
 
 namespace gated_delta {
 namespace cuda {

@@ -12,7 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "cpu_internal.h"
+#include "algorithms.h"
 
 #if defined(__GNUC__)  // GCC and Clang: weak references, null where no library defines them
 #define GATED_DELTA_WEAK_BLAS 1

@@ -16,7 +16,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "cpu_internal.h"
+#include "algorithms.h"
 
 namespace gated_delta {
 namespace cpu {

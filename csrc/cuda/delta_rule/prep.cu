@@ -6,8 +6,8 @@
 // (blockwise, 16 x 16 blocks).
 #include <c10/cuda/CUDAException.h>
 
-#include "common.cuh"
-#include "static_switch.h"
+#include "mma.cuh"
+#include "../dispatch.cuh"
 
 namespace gated_delta {
 namespace cuda {

@@ -1,5 +1,5 @@
 // state_fwd kernels for __nv_bfloat16 inputs (one translation unit per dtype: they compile in parallel).
-#include "state_fwd.cuh"
+#include "../state_fwd.cuh"
 
 namespace gated_delta {
 namespace cuda {
