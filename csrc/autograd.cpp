@@ -1,115 +1,219 @@
-// The C++ autograd Function of the gated delta rule, registered for the Autograd key of gated_delta::fwd.
-// Its forward redispatches below autograd; its backward calls the registered gated_delta::bwd op, so eager
-// PyTorch, torch.compile and LibTorch callers all differentiate through real ops. It saves the inputs only:
-// the backward recomputes everything else (no per-token state is ever kept).
+// Every C++ autograd Function of the library, registered for the Autograd key (the torchvision pattern): the
+// forward redispatches below autograd to the registered forward op, the backward calls the registered backward
+// op, so eager PyTorch, torch.compile and LibTorch callers all differentiate through real ops. Each saves its
+// inputs only: the backward recomputes everything else (no per-token state is ever kept).
+// short_conv_update and decode_step mutate a cache and are inference-only (no autograd kernel).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <array>
 #include <string>
 #include <tuple>
+
+#include "delta_rule.h"
 
 namespace gated_delta {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using OptTensor = c10::optional<at::Tensor>;
 
 at::Tensor or_undefined(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
 OptTensor or_none(const at::Tensor& t) { return t.defined() ? OptTensor(t) : c10::nullopt; }
 
-std::tuple<at::Tensor, at::Tensor> call_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                            const at::Tensor& g, const at::Tensor& beta, double scale,
-                                            const OptTensor& h0, bool output_final_state, const OptTensor& cu,
-                                            const OptTensor& cu_cpu, bool l2norm, bool sig, bool neg, bool gate,
-                                            const OptTensor& A_log, const OptTensor& dt_bias,
-                                            c10::string_view algorithm, int64_t chunk_size) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("gated_delta::fwd", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(
-                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, double, const OptTensor&, bool, const OptTensor&, const OptTensor&,
-                           bool, bool, bool, bool, const OptTensor&, const OptTensor&, c10::string_view, int64_t)>();
-  return op.call(q, k, v, g, beta, scale, h0, output_final_state, cu, cu_cpu, l2norm, sig, neg, gate, A_log,
-                 dt_bias, algorithm, chunk_size);
+// ---- the gated delta rule ----
+
+// Saving DeltaRuleArgs field by field: tensors (undefined for an absent optional) go to save_for_backward, the
+// other fields to saved_data under their position.
+void save_field(AutogradContext*, std::vector<at::Tensor>& tensors, size_t, const at::Tensor& t) {
+  tensors.push_back(t);
+}
+void save_field(AutogradContext*, std::vector<at::Tensor>& tensors, size_t, const OptTensor& t) {
+  tensors.push_back(or_undefined(t));
+}
+template <class T>
+void save_field(AutogradContext* ctx, std::vector<at::Tensor>&, size_t i, const T& x) {
+  ctx->saved_data[std::to_string(i)] = x;
+}
+void load_field(AutogradContext*, const variable_list& tensors, size_t& next, size_t, at::Tensor& t) {
+  t = tensors[next++];
+}
+void load_field(AutogradContext*, const variable_list& tensors, size_t& next, size_t, OptTensor& t) {
+  t = or_none(tensors[next++]);
+}
+template <class T>
+void load_field(AutogradContext* ctx, const variable_list&, size_t&, size_t i, T& x) {
+  x = ctx->saved_data[std::to_string(i)].to<T>();
 }
 
-using Grads8 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                          at::Tensor>;
-
-Grads8 call_bwd(const at::Tensor& d_o, const OptTensor& dht, const at::Tensor& q, const at::Tensor& k,
-                const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale, const OptTensor& h0,
-                const OptTensor& cu, const OptTensor& cu_cpu, bool l2norm, bool sig, bool neg, bool gate,
-                const OptTensor& A_log, const OptTensor& dt_bias, c10::string_view algorithm, int64_t chunk_size) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("gated_delta::bwd", "")
-                       .typed<Grads8(const at::Tensor&, const OptTensor&, const at::Tensor&, const at::Tensor&,
-                                     const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                     const OptTensor&, const OptTensor&, const OptTensor&, bool, bool, bool, bool,
-                                     const OptTensor&, const OptTensor&, c10::string_view, int64_t)>();
-  return op.call(d_o, dht, q, k, v, g, beta, scale, h0, cu, cu_cpu, l2norm, sig, neg, gate, A_log, dt_bias,
-                 algorithm, chunk_size);
+void save_args(AutogradContext* ctx, const DeltaRuleArgs& args) {
+  std::vector<at::Tensor> tensors;
+  size_t i = 0;
+  std::apply([&](const auto&... f) { (save_field(ctx, tensors, i++, f), ...); }, args.fwd_fields());
+  ctx->save_for_backward(tensors);
 }
 
-class GatedDeltaRuleFunction : public torch::autograd::Function<GatedDeltaRuleFunction> {
+DeltaRuleArgs load_args(AutogradContext* ctx) {
+  DeltaRuleArgs args;
+  const variable_list tensors = ctx->get_saved_variables();
+  size_t i = 0, next = 0;
+  std::apply([&](auto&... f) { (load_field(ctx, tensors, next, i++, f), ...); }, args.fwd_fields());
+  return args;
+}
+
+// The gradients of the bwd op (one per differentiable field) placed at their fields' positions in the fwd
+// schema; the gradient of an absent optional input is undefined.
+variable_list fwd_input_grads(const DeltaRuleArgs& args, const BwdResult& grads) {
+  constexpr size_t kNumDiff = std::tuple_size_v<BwdResult>;
+  std::array<const void*, kNumDiff> diff_fields;
+  std::array<bool, kNumDiff> present;
+  std::array<at::Tensor, kNumDiff> diff_grads;
+  size_t j = 0;
+  auto note = [&](const auto& f) {
+    diff_fields[j] = &f;
+    if constexpr (std::is_same_v<std::decay_t<decltype(f)>, OptTensor>) present[j] = f.has_value();
+    else present[j] = true;
+    ++j;
+  };
+  std::apply([&](const auto&... f) { (note(f), ...); }, args.differentiable_fields());
+  std::apply([&](const auto&... g) { j = 0; ((diff_grads[j++] = g), ...); }, grads);
+  variable_list out;
+  std::apply(
+      [&](const auto&... f) {
+        auto place = [&](const void* field) {
+          at::Tensor g;
+          for (size_t d = 0; d < kNumDiff; ++d) {
+            if (diff_fields[d] == field && present[d]) g = diff_grads[d];
+          }
+          out.push_back(g);
+        };
+        (place(&f), ...);
+      },
+      args.fwd_fields());
+  return out;
+}
+
+class DeltaRuleFunction : public torch::autograd::Function<DeltaRuleFunction> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& g, const at::Tensor& beta, double scale, const OptTensor& h0,
-                               bool output_final_state, const OptTensor& cu, const OptTensor& cu_cpu, bool l2norm,
-                               bool sig, bool neg, bool gate, const OptTensor& A_log, const OptTensor& dt_bias,
-                               c10::string_view algorithm, int64_t chunk_size) {
+  // The arguments come unpacked (in fwd schema order) so that autograd sees every tensor input.
+  template <class... A>
+  static variable_list forward(AutogradContext* ctx, const A&... a) {
+    DeltaRuleArgs args;
+    detail::assign_fields(args.fwd_fields(), a...);
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [o, ht] = call_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu, cu_cpu, l2norm, sig, neg, gate,
-                            A_log, dt_bias, algorithm, chunk_size);
-    ctx->save_for_backward({q, k, v, g, beta, or_undefined(h0), or_undefined(cu), or_undefined(cu_cpu),
-                            or_undefined(A_log), or_undefined(dt_bias)});
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["flags"] = std::vector<bool>{l2norm, sig, neg, gate};
-    ctx->saved_data["algorithm"] = std::string(algorithm);
-    ctx->saved_data["chunk_size"] = chunk_size;
-    ctx->saved_data["output_final_state"] = output_final_state;
-    if (!output_final_state) ctx->mark_non_differentiable({ht});
+    auto [o, ht] = call_fwd(args);
+    save_args(ctx, args);
+    if (!args.output_final_state) ctx->mark_non_differentiable({ht});
     return {o, ht};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto saved = ctx->get_saved_variables();
-    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &g = saved[3], &beta = saved[4];
-    const OptTensor h0 = or_none(saved[5]), cu = or_none(saved[6]), cu_cpu = or_none(saved[7]);
-    const OptTensor A_log = or_none(saved[8]), dt_bias = or_none(saved[9]);
-    const auto flags = ctx->saved_data["flags"].toBoolList().vec();
-    const double scale = ctx->saved_data["scale"].toDouble();
-    const std::string algorithm = ctx->saved_data["algorithm"].toStringRef();
-    const int64_t chunk_size = ctx->saved_data["chunk_size"].toInt();
-
-    at::Tensor d_o = grads[0].defined() ? grads[0] : at::zeros_like(v);
+    const DeltaRuleArgs args = load_args(ctx);
+    at::Tensor d_o = grads[0].defined() ? grads[0] : at::zeros_like(args.v);
     // Decided by the flag, not by the gradient's size: sizes are symbolic under torch.compile.
-    const bool output_final_state = ctx->saved_data["output_final_state"].toBool();
-    OptTensor dht = output_final_state && grads[1].defined() ? OptTensor(grads[1]) : c10::nullopt;
-    auto [dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias] =
-        call_bwd(d_o, dht, q, k, v, g, beta, scale, h0, cu, cu_cpu, flags[0], flags[1], flags[2], flags[3], A_log,
-                 dt_bias, algorithm, chunk_size);
-    at::Tensor none;
-    return {dq,   dk,   dv,   dg,   dbeta, none,                          h0.has_value() ? dh0 : none,
-            none, none, none, none, none,  none,                          none,
-            A_log.has_value() ? dA_log : none, dt_bias.has_value() ? ddt_bias : none, none, none};
+    OptTensor dht = args.output_final_state && grads[1].defined() ? OptTensor(grads[1]) : c10::nullopt;
+    return fwd_input_grads(args, call_bwd(d_o, dht, args));
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                const at::Tensor& g, const at::Tensor& beta, double scale,
-                                                const OptTensor& h0, bool output_final_state, const OptTensor& cu,
-                                                const OptTensor& cu_cpu, bool l2norm, bool sig, bool neg, bool gate,
-                                                const OptTensor& A_log, const OptTensor& dt_bias,
-                                                c10::string_view algorithm, int64_t chunk_size) {
-  auto out = GatedDeltaRuleFunction::apply(q, k, v, g, beta, scale, h0, output_final_state, cu, cu_cpu, l2norm, sig,
-                                           neg, gate, A_log, dt_bias, algorithm, chunk_size);
+FwdResult delta_rule_fwd_autograd(const DeltaRuleArgs& args) {
+  auto out = std::apply([](const auto&... f) { return DeltaRuleFunction::apply(f...); }, args.fwd_fields());
+  return {out[0], out[1]};
+}
+
+// ---- short convolution ----
+
+using ConvFwd = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                                   const OptTensor&, const OptTensor&, bool, bool);
+using ConvBwd = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const OptTensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
+    const OptTensor&, bool);
+
+class ShortConvFunction : public torch::autograd::Function<ShortConvFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                               const OptTensor& bias, const OptTensor& h0, const OptTensor& cu,
+                               bool output_final_state, bool use_silu) {
+    static auto op = typed_op<ConvFwd>("gated_delta::short_conv_fwd");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [y, ht] = op.call(x, weight, bias, h0, cu, output_final_state, use_silu);
+    ctx->save_for_backward({x, weight, or_undefined(bias), or_undefined(h0), or_undefined(cu)});
+    ctx->saved_data["use_silu"] = use_silu;
+    ctx->saved_data["output_final_state"] = output_final_state;
+    if (!output_final_state) ctx->mark_non_differentiable({ht});
+    return {y, ht};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = typed_op<ConvBwd>("gated_delta::short_conv_bwd");
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1];
+    const OptTensor bias = or_none(saved[2]), h0 = or_none(saved[3]), cu = or_none(saved[4]);
+    const bool use_silu = ctx->saved_data["use_silu"].toBool();
+    at::Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(x);
+    // (decided by the flag, not by numel, so that tracing with symbolic shapes works)
+    const bool has_final = ctx->saved_data["output_final_state"].toBool();
+    OptTensor dht = has_final && grads[1].defined() ? OptTensor(grads[1]) : c10::nullopt;
+    auto [dx, dweight, dbias, dh0] = op.call(dy, dht, x, weight, bias, h0, cu, use_silu);
+    at::Tensor none;
+    return {dx, dweight, bias.has_value() ? dbias : none, h0.has_value() ? dh0 : none, none, none, none};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> short_conv_fwd_autograd(const at::Tensor& x, const at::Tensor& weight,
+                                                           const OptTensor& bias, const OptTensor& h0,
+                                                           const OptTensor& cu, bool output_final_state,
+                                                           bool use_silu) {
+  auto out = ShortConvFunction::apply(x, weight, bias, h0, cu, output_final_state, use_silu);
+  return {out[0], out[1]};
+}
+
+// ---- gated RMSNorm ----
+
+using NormFwd = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const OptTensor&, double);
+using NormBwd = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                               const OptTensor&, const OptTensor&,
+                                                               const at::Tensor&, double);
+
+class GatedRMSNormFunction : public torch::autograd::Function<GatedRMSNormFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const OptTensor& gate,
+                               const OptTensor& weight, double eps) {
+    static auto op = typed_op<NormFwd>("gated_delta::gated_rmsnorm_fwd");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [y, rstd] = op.call(x, gate, weight, eps);
+    ctx->save_for_backward({x, or_undefined(gate), or_undefined(weight), rstd});
+    ctx->saved_data["eps"] = eps;
+    ctx->mark_non_differentiable({rstd});
+    return {y, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = typed_op<NormBwd>("gated_delta::gated_rmsnorm_bwd");
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &rstd = saved[3];
+    const OptTensor gate = or_none(saved[1]), weight = or_none(saved[2]);
+    const double eps = ctx->saved_data["eps"].toDouble();
+    at::Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(x);
+    auto [dx, dgate, dweight] = op.call(dy, x, gate, weight, rstd, eps);
+    at::Tensor none;
+    return {dx, gate.has_value() ? dgate : none, weight.has_value() ? dweight : none, none};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> gated_rmsnorm_fwd_autograd(const at::Tensor& x, const OptTensor& gate,
+                                                              const OptTensor& weight, double eps) {
+  auto out = GatedRMSNormFunction::apply(x, gate, weight, eps);
   return {out[0], out[1]};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(gated_delta, Autograd, m) { m.impl("fwd", &fwd_autograd); }
+TORCH_LIBRARY_IMPL(gated_delta, Autograd, m) {
+  m.impl("fwd", fwd_kernel<delta_rule_fwd_autograd>);
+  m.impl("short_conv_fwd", &short_conv_fwd_autograd);
+  m.impl("gated_rmsnorm_fwd", &gated_rmsnorm_fwd_autograd);
+}
 
 }  // namespace gated_delta

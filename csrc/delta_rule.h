@@ -1,17 +1,145 @@
-// The contract between the device-generic op layer (op_impl.h) and each backend's core kernels.
+// The gated delta rule in C++: the arguments of its ops as one struct, the contract between the device-generic op
+// layer and each backend's core kernels, and the op layer itself (validation, the in-kernel pre-processing and its
+// chain rule), which each backend instantiates with its core functions and registers beside its code
+// (cpu/delta_rule.cpp, cuda/delta_rule.cpp).
 //
-// The op layer validates arguments, applies the in-kernel pre-processing (q/k L2 norm, beta sigmoid, gate from
-// g_raw) and hands the core the gated delta rule proper:
+// The core computes the gated delta rule proper on pre-processed inputs:
 //   S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = scale * S_t^T q_t.
+//
+// A new option of fwd/bwd is a field of DeltaRuleArgs (listed in fwd_fields / bwd_fields in schema order), its
+// schema in ops.cpp and its keyword in the Python wrapper: the kernel signatures, the autograd kernel and the
+// redispatching calls are all derived from DeltaRuleArgs.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "checks.h"
 
 namespace gated_delta {
+
+using OptTensor = c10::optional<at::Tensor>;
+
+// ---- the arguments of gated_delta::fwd and gated_delta::bwd ----
+
+struct DeltaRuleArgs {
+  at::Tensor q, k, v, g, beta;     // [B, T, H, K] x2, [B, T, HV, V], [B, T, HV] x2
+  double scale = 1.0;
+  OptTensor initial_state;         // [N, HV, K, V] in the state dtype
+  bool output_final_state = false;  // fwd only
+  OptTensor cu_seqlens;            // [N + 1] offsets of a packed batch (B = 1)
+  OptTensor cu_seqlens_cpu;        // a host copy of cu_seqlens
+  bool use_qk_l2norm_in_kernel = false;
+  bool use_beta_sigmoid_in_kernel = false;
+  bool allow_neg_eigval = false;
+  bool use_gate_in_kernel = false;
+  OptTensor A_log, dt_bias;        // [HV], with use_gate_in_kernel
+  std::string algorithm = "auto";  // "auto" | "recurrent" | "chunk" | "scan"
+  int64_t chunk_size = 64;
+
+  // The fields in the order of the fwd schema, and in the order of the bwd schema after its leading (d_o,
+  // d_final_state): the two lists a new field joins. (One template each serves const and non-const access; they
+  // come before their users, whose return types are deduced from them.)
+  template <class Self>
+  static auto fwd_fields_of(Self& a) {
+    return std::tie(a.q, a.k, a.v, a.g, a.beta, a.scale, a.initial_state, a.output_final_state, a.cu_seqlens,
+                    a.cu_seqlens_cpu, a.use_qk_l2norm_in_kernel, a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval,
+                    a.use_gate_in_kernel, a.A_log, a.dt_bias, a.algorithm, a.chunk_size);
+  }
+  template <class Self>
+  static auto bwd_fields_of(Self& a) {
+    return std::tie(a.q, a.k, a.v, a.g, a.beta, a.scale, a.initial_state, a.cu_seqlens, a.cu_seqlens_cpu,
+                    a.use_qk_l2norm_in_kernel, a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval,
+                    a.use_gate_in_kernel, a.A_log, a.dt_bias, a.algorithm, a.chunk_size);
+  }
+  auto fwd_fields() { return fwd_fields_of(*this); }
+  auto fwd_fields() const { return fwd_fields_of(*this); }
+  auto bwd_fields() { return bwd_fields_of(*this); }
+  auto bwd_fields() const { return bwd_fields_of(*this); }
+  // The differentiable inputs, in the order of the gradients the bwd op returns.
+  auto differentiable_fields() const {
+    return std::tie(q, k, v, g, beta, initial_state, A_log, dt_bias);
+  }
+};
+
+using FwdResult = std::tuple<at::Tensor, at::Tensor>;  // o, final_state
+// dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias (one per differentiable field)
+using BwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                             at::Tensor>;
+
+namespace detail {
+
+// How the dispatcher passes a field to an unboxed kernel.
+template <class T> struct OpArg { using type = T; };
+template <> struct OpArg<at::Tensor> { using type = const at::Tensor&; };
+template <> struct OpArg<OptTensor> { using type = const OptTensor&; };
+template <> struct OpArg<std::string> { using type = c10::string_view; };
+template <class T> using op_arg_t = typename OpArg<std::remove_const_t<T>>::type;
+
+template <class T, class A> void assign(T& field, const A& a) { field = a; }
+inline void assign(std::string& field, c10::string_view a) { field.assign(a.data(), a.size()); }
+
+// Sets the fields of a std::tie(...) from values in the same order.
+template <class... F, class... A>
+void assign_fields(std::tuple<F&...> fields, const A&... a) {
+  std::apply([&](F&... f) { (assign(f, a), ...); }, fields);
+}
+
+template <class Tie> struct FieldTypes;
+template <class... F> struct FieldTypes<std::tuple<F&...>> {
+  // the unboxed kernel types of the fwd and bwd ops
+  using fwd = FwdResult(op_arg_t<F>...);
+  using bwd = BwdResult(const at::Tensor&, const OptTensor&, op_arg_t<F>...);
+
+  template <FwdResult (*Fn)(const DeltaRuleArgs&)>
+  static FwdResult fwd_kernel(op_arg_t<F>... a) {
+    DeltaRuleArgs args;
+    assign_fields(args.fwd_fields(), a...);
+    return Fn(args);
+  }
+  template <BwdResult (*Fn)(const at::Tensor&, const OptTensor&, const DeltaRuleArgs&)>
+  static BwdResult bwd_kernel(const at::Tensor& d_o, const OptTensor& d_final_state, op_arg_t<F>... a) {
+    DeltaRuleArgs args;
+    assign_fields(args.bwd_fields(), a...);
+    return Fn(d_o, d_final_state, args);
+  }
+};
+using FwdFields = FieldTypes<decltype(std::declval<DeltaRuleArgs&>().fwd_fields())>;
+using BwdFields = FieldTypes<decltype(std::declval<DeltaRuleArgs&>().bwd_fields())>;
+
+}  // namespace detail
+
+// The unboxed kernel of gated_delta::fwd (bwd) that calls Fn with the arguments as a DeltaRuleArgs: what every
+// dispatch key registers (m.impl("fwd", fwd_kernel<my_fwd>)).
+template <FwdResult (*Fn)(const DeltaRuleArgs&)>
+constexpr auto fwd_kernel = &detail::FwdFields::fwd_kernel<Fn>;
+template <BwdResult (*Fn)(const at::Tensor&, const OptTensor&, const DeltaRuleArgs&)>
+constexpr auto bwd_kernel = &detail::BwdFields::bwd_kernel<Fn>;
+
+// The typed handle of a registered op, for calls through the dispatcher.
+template <class Signature>
+c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// Calls the registered ops through the dispatcher (from the current dispatch key down).
+inline FwdResult call_fwd(const DeltaRuleArgs& args) {
+  static auto op = typed_op<detail::FwdFields::fwd>("gated_delta::fwd");
+  return std::apply([&](const auto&... f) { return op.call(f...); }, args.fwd_fields());
+}
+inline BwdResult call_bwd(const at::Tensor& d_o, const OptTensor& d_final_state, const DeltaRuleArgs& args) {
+  static auto op = typed_op<detail::BwdFields::bwd>("gated_delta::bwd");
+  return std::apply([&](const auto&... f) { return op.call(d_o, d_final_state, f...); }, args.bwd_fields());
+}
+
+// ---- the contract between the op layer and each backend's core kernels ----
 
 enum class Algorithm { Auto, Recurrent, Chunk, Scan };
 
@@ -32,7 +160,6 @@ inline const char* algorithm_name(Algorithm a) {
   }
   return "?";
 }
-
 
 struct CoreArgs {
   // q, k: [B, T, H, K]; v: [B, T, HV, V]. q, k, v share one dtype (fp64, fp32, bf16, fp16); any strides.
@@ -60,9 +187,7 @@ struct CoreArgs {
   int64_t head_k() const { return q.size(3); }
   int64_t head_v() const { return v.size(3); }
   int64_t num_seqs() const { return cu_seqlens.defined() ? cu_seqlens.size(0) - 1 : q.size(0); }
-  at::ScalarType state_dtype() const {
-    return v.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  }
+  at::ScalarType state_dtype() const { return acc_dtype(v.scalar_type()); }
 };
 
 struct CoreForward {
@@ -79,13 +204,147 @@ struct CoreGrads {
   at::Tensor d_initial_state;  // [N, HV, K, V] state dtype; undefined when args.initial_state is undefined
 };
 
-// d_final_state may be undefined (no gradient flows into the final state).
-CoreForward core_forward_cpu(const CoreArgs& args, bool output_final_state);
-CoreGrads core_backward_cpu(const CoreArgs& args, const at::Tensor& d_o, const at::Tensor& d_final_state);
 
-#ifdef GATED_DELTA_WITH_CUDA
-CoreForward core_forward_cuda(const CoreArgs& args, bool output_final_state);
-CoreGrads core_backward_cuda(const CoreArgs& args, const at::Tensor& d_o, const at::Tensor& d_final_state);
-#endif
+// Each backend defines its core functions (d_final_state may be undefined: no gradient flows into the final state)
+//   CoreForward core_forward_<backend>(const CoreArgs& args, bool output_final_state);
+//   CoreGrads core_backward_<backend>(const CoreArgs& args, const at::Tensor& d_o, const at::Tensor& d_final_state);
+// and registers fwd_kernel<fwd_impl<core_forward_<backend>>> and bwd_kernel<bwd_impl<core_backward_<backend>>>.
+
+// ---- the op layer: validation and the in-kernel pre-processing around a backend's core ----
+
+// The pre-processed inputs plus what the backward chain rule needs of the pre-processing.
+struct Preprocessed {
+  CoreArgs core;
+  at::Tensor q_rnorm, k_rnorm;  // 1/sqrt(|x|^2 + eps) [B, T, H, 1] when use_qk_l2norm_in_kernel
+  at::Tensor q_unit, k_unit;    // normalised q, k in the compute dtype
+  at::Tensor beta_sig;          // sigmoid(beta) when use_beta_sigmoid_in_kernel
+  at::Tensor gate_arg;          // g_raw + dt_bias when use_gate_in_kernel
+};
+
+constexpr double kL2NormEps = 1e-6;
+
+inline Preprocessed preprocess(const DeltaRuleArgs& x) {
+  Preprocessed p;
+  CoreArgs& a = p.core;
+  a.algorithm = parse_algorithm(x.algorithm);
+  const at::ScalarType cd = acc_dtype(x.q.scalar_type());
+  if (x.use_qk_l2norm_in_kernel) {
+    auto unit = [&](const at::Tensor& t, at::Tensor& rnorm, at::Tensor& tu) {
+      auto tf = t.to(cd);
+      rnorm = at::rsqrt(tf.mul(tf).sum(-1, /*keepdim=*/true).add_(kL2NormEps));
+      tu = tf * rnorm;
+      return tu.to(t.scalar_type());
+    };
+    a.q = unit(x.q, p.q_rnorm, p.q_unit);
+    a.k = unit(x.k, p.k_rnorm, p.k_unit);
+  } else {
+    a.q = x.q;
+    a.k = x.k;
+  }
+  a.v = x.v;
+  if (x.use_beta_sigmoid_in_kernel) {
+    p.beta_sig = at::sigmoid(x.beta.to(cd));
+    a.beta = x.allow_neg_eigval ? p.beta_sig * 2.0 : p.beta_sig;
+  } else {
+    a.beta = x.beta.to(cd);
+  }
+  if (x.use_gate_in_kernel) {
+    p.gate_arg = x.g.to(cd) + x.dt_bias->to(cd);
+    a.g = at::softplus(p.gate_arg).mul_(at::exp(x.A_log->to(cd)).neg_());
+  } else {
+    a.g = x.g.to(cd);
+  }
+  if (x.initial_state.has_value()) a.initial_state = *x.initial_state;
+  if (x.cu_seqlens.has_value()) {
+    a.cu_seqlens = x.cu_seqlens->to(at::kLong);
+    if (x.cu_seqlens_cpu.has_value()) {
+      a.cu_seqlens_cpu = x.cu_seqlens_cpu->to(at::kLong).contiguous();
+    } else if (x.q.device().is_cpu()) {
+      a.cu_seqlens_cpu = a.cu_seqlens.contiguous();
+    }
+    if (a.cu_seqlens_cpu.defined()) check_cu_seqlens_values(a.cu_seqlens_cpu, x.q.size(1), "cu_seqlens");
+  }
+  a.scale = x.scale;
+  a.chunk_size = x.chunk_size;
+  a.grads_in_input_dtype = !x.use_qk_l2norm_in_kernel;  // the L2-norm chain rule wants dq, dk unrounded
+  return p;
+}
+
+inline at::Tensor empty_grad(const at::Tensor& like) {
+  return at::empty({0}, like.options().dtype(acc_dtype(like.scalar_type())));
+}
+
+template <CoreForward (*CoreFwd)(const CoreArgs&, bool)>
+FwdResult fwd_impl(const DeltaRuleArgs& x) {
+  const Sizes s = check_delta_rule_args(x);
+  Preprocessed p = preprocess(x);
+  const auto state_opts = x.q.options().dtype(p.core.state_dtype());
+  if (s.T == 0) {
+    at::Tensor ht;
+    if (x.output_final_state) {
+      ht = x.initial_state.has_value() ? x.initial_state->clone() : at::zeros({s.N, s.HV, s.K, s.V}, state_opts);
+    } else {
+      ht = at::empty({0}, state_opts);
+    }
+    return {at::empty({s.B, 0, s.HV, s.V}, x.v.options()), ht};
+  }
+  CoreForward r = CoreFwd(p.core, x.output_final_state);
+  at::Tensor ht = x.output_final_state ? r.final_state : at::empty({0}, state_opts);
+  return {r.o, ht};
+}
+
+template <CoreGrads (*CoreBwd)(const CoreArgs&, const at::Tensor&, const at::Tensor&)>
+BwdResult bwd_impl(const at::Tensor& d_o, const OptTensor& d_final_state, const DeltaRuleArgs& x) {
+  const Sizes s = check_delta_rule_args(x);
+  at::Tensor dht = check_delta_rule_grads(x, s, d_o, d_final_state);
+  Preprocessed p = preprocess(x);
+  const at::ScalarType sd = p.core.state_dtype();
+  if (dht.defined()) dht = dht.to(sd);
+
+  CoreGrads gr;
+  if (s.T == 0) {
+    gr.dq = at::zeros(x.q.sizes(), x.q.options().dtype(sd));
+    gr.dk = at::zeros(x.k.sizes(), x.k.options().dtype(sd));
+    gr.dv = at::zeros(x.v.sizes(), x.v.options().dtype(sd));
+    gr.dg = at::zeros(x.g.sizes(), x.g.options().dtype(sd));
+    gr.dbeta = at::zeros(x.beta.sizes(), x.beta.options().dtype(sd));
+    if (x.initial_state.has_value()) {
+      gr.d_initial_state = dht.defined() ? dht.clone() : at::zeros_like(*x.initial_state);
+    }
+  } else {
+    gr = CoreBwd(p.core, d_o, dht);
+  }
+
+  // Chain rule through the in-kernel pre-processing.
+  at::Tensor dq = gr.dq, dk = gr.dk;
+  if (x.use_qk_l2norm_in_kernel) {
+    // y = x r, r = (|x|^2 + eps)^(-1/2):  dx = r (dy - y (y . dy))
+    auto back = [](const at::Tensor& dy, const at::Tensor& y, const at::Tensor& r) {
+      return (dy - y * (y * dy).sum(-1, /*keepdim=*/true)) * r;
+    };
+    dq = back(dq, p.q_unit, p.q_rnorm);
+    dk = back(dk, p.k_unit, p.k_rnorm);
+  }
+  at::Tensor dbeta = gr.dbeta;
+  if (x.use_beta_sigmoid_in_kernel) {
+    dbeta = dbeta * p.beta_sig * (1.0 - p.beta_sig);
+    if (x.allow_neg_eigval) dbeta = dbeta * 2.0;
+  }
+  at::Tensor dg = gr.dg, dA_log, ddt_bias;
+  if (x.use_gate_in_kernel) {
+    // g = -exp(A_log) softplus(g_raw + dt_bias)
+    auto dgx = dg * at::sigmoid(p.gate_arg) * at::exp(x.A_log->to(sd)).neg();
+    dA_log = (dg * p.core.g).sum(at::IntArrayRef{0, 1}).to(x.A_log->scalar_type());
+    ddt_bias = dgx.sum(at::IntArrayRef{0, 1}).to(x.dt_bias->scalar_type());
+    dg = dgx;
+  } else {
+    dA_log = empty_grad(x.q);
+    ddt_bias = empty_grad(x.q);
+  }
+  at::Tensor dh0 =
+      x.initial_state.has_value() ? gr.d_initial_state.to(x.initial_state->scalar_type()) : empty_grad(x.q);
+  return {dq.to(x.q.scalar_type()),       dk.to(x.k.scalar_type()), gr.dv.to(x.v.scalar_type()),
+          dg.to(x.g.scalar_type()),       dbeta.to(x.beta.scalar_type()), dh0, dA_log, ddt_bias};
+}
 
 }  // namespace gated_delta

@@ -1,5 +1,6 @@
-// Every schema of the library, defined once. Backends register their kernels beside their code
-// (cpu/register.cpp, cuda/register.cu); autograd.cpp registers the Autograd kernel.
+// Every schema of the library, defined once. Each backend registers its kernels beside their code, one file per op
+// (cpu/short_conv.cpp, cuda/short_conv.cu, ...; the gated delta rule in cpu/delta_rule.cpp and cuda/delta_rule.cpp);
+// autograd.cpp registers the Autograd kernels. The C++ side of fwd/bwd's arguments is DeltaRuleArgs (delta_rule.h).
 #include <torch/library.h>
 
 #ifdef GATED_DELTA_PYTHON_MODULE

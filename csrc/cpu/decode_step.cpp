@@ -11,7 +11,7 @@
 #include <cmath>
 #include <vector>
 
-#include "../layer_checks.h"
+#include "../checks.h"
 
 namespace gated_delta {
 namespace {

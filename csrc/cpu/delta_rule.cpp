@@ -1,7 +1,9 @@
-// core_forward_cpu / core_backward_cpu (core.h): convert the inputs once to the state dtype in the layout the
-// algorithms read, pick the algorithm, run it, and put the results back into the op's layouts and dtypes.
+// The CPU backend of the gated delta rule: core_forward_cpu / core_backward_cpu (../delta_rule.h) and their
+// registration. They convert the inputs once to the state dtype in the layout the algorithms (delta_rule/) read,
+// pick the algorithm, run it, and put the results back into the op's layouts and dtypes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include "../delta_rule.h"
 #include "delta_rule/algorithms.h"
@@ -13,16 +15,8 @@ using cpu::Problem;
 using cpu::Unit;
 
 Problem make_problem(const CoreArgs& a) {
-  Problem p;
-  p.B = a.batch();
-  p.T = a.seqlen();
-  p.H = a.num_qk_heads();
-  p.HV = a.num_v_heads();
-  p.K = a.head_k();
-  p.V = a.head_v();
-  p.N = a.num_seqs();
-  p.C = a.chunk_size;
-  p.scale = a.scale;
+  Problem p{.B = a.batch(), .T = a.seqlen(), .H = a.num_qk_heads(), .HV = a.num_v_heads(), .K = a.head_k(),
+            .V = a.head_v(), .N = a.num_seqs(), .C = a.chunk_size, .scale = a.scale};
   TORCH_CHECK(p.C >= 1, "chunk_size must be >= 1, got ", p.C);
   const int64_t group = p.HV / p.H;
   const int64_t* cu = nullptr;
@@ -190,6 +184,11 @@ CoreForward core_forward_cpu(const CoreArgs& args, bool output_final_state) {
 CoreGrads core_backward_cpu(const CoreArgs& args, const at::Tensor& d_o, const at::Tensor& d_final_state) {
   if (args.state_dtype() == at::kDouble) return backward_impl<double>(args, d_o, d_final_state);
   return backward_impl<float>(args, d_o, d_final_state);
+}
+
+TORCH_LIBRARY_IMPL(gated_delta, CPU, m) {
+  m.impl("fwd", fwd_kernel<fwd_impl<core_forward_cpu>>);
+  m.impl("bwd", bwd_kernel<bwd_impl<core_backward_cpu>>);
 }
 
 }  // namespace gated_delta

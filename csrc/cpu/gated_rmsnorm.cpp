@@ -12,7 +12,7 @@
 #include <tuple>
 #include <vector>
 
-#include "../layer_checks.h"
+#include "../checks.h"
 
 namespace gated_delta {
 namespace {
@@ -62,11 +62,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_rmsnorm_bwd_cpu(const at::T
   const NormSizes sz = check_gated_rmsnorm_args(x, gate, weight, eps);
   const int64_t R = sz.rows, D = sz.D;
   const at::ScalarType acc = acc_dtype(x.scalar_type());
-  check_device_as(x, "x", dy, "dy");
-  check_device_as(x, "x", rstd, "rstd");
-  TORCH_CHECK(dy.sizes() == x.sizes(), "dy must have the shape of x ", shape_str(x), ", got ", shape_str(dy));
-  TORCH_CHECK(rstd.numel() == R && rstd.scalar_type() == acc, "rstd must be a ", acc, " tensor of ", R,
-              " elements (one per row of x), got ", rstd.scalar_type(), " ", shape_str(rstd));
+  check_gated_rmsnorm_grads(x, sz, dy, rstd);
   const at::Tensor xc = x.contiguous(), dyc = dy.contiguous(), rc = rstd.contiguous();
   // With a gate: its silu (vectorised, ATen), and dy n w (per element, filled below) whose silu_backward is dgate.
   const at::Tensor gf = gate.has_value() ? gate->to(acc).contiguous() : at::Tensor();

@@ -12,7 +12,7 @@
 #include <tuple>
 #include <vector>
 
-#include "../layer_checks.h"
+#include "../checks.h"
 
 namespace gated_delta {
 namespace {
@@ -107,6 +107,17 @@ struct ConvOperands {
         in{xc.data_ptr<scalar_t>(), h0.defined() ? h0.data_ptr<scalar_t>() : nullptr, T, D, W},
         wp(wt.data_ptr<acc_t>()),
         bp(bc.defined() ? bc.data_ptr<acc_t>() : nullptr) {}
+
+  // The pre-activation of every token of every sequence into out [B, T, D], block by block in parallel.
+  void pre_activation(const std::vector<Seq>& seqs, const std::vector<Block>& blocks, acc_t* out) const {
+    at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) {
+        const Block& blk = blocks[i];
+        const Seq& s = seqs[blk.seq];
+        conv_rows(in, wp, bp, s, blk.t0, blk.t1, out + (s.b * in.T + blk.t0) * in.D);
+      }
+    });
+  }
 };
 
 std::tuple<at::Tensor, at::Tensor> short_conv_fwd_cpu(const at::Tensor& x, const at::Tensor& weight,
@@ -128,16 +139,8 @@ std::tuple<at::Tensor, at::Tensor> short_conv_fwd_cpu(const at::Tensor& x, const
     using acc_t = at::opmath_type<scalar_t>;
     const ConvOperands<scalar_t> ops(xc, h0, weight, bias, acc, T, D, W);
     const SeqInput<scalar_t>& in = ops.in;
-    const acc_t* wp = ops.wp;
-    const acc_t* bp = ops.bp;
     acc_t* zp = z.data_ptr<acc_t>();
-    at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) {
-        const Block& blk = blocks[i];
-        const Seq& s = seqs[blk.seq];
-        conv_rows(in, wp, bp, s, blk.t0, blk.t1, zp + (s.b * T + blk.t0) * D);
-      }
-    });
+    ops.pre_activation(seqs, blocks, zp);
     if (output_final_state && W > 1) {
       scalar_t* fp = final_state.data_ptr<scalar_t>();
       for (const Seq& s : seqs) {
@@ -161,16 +164,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> short_conv_bwd_cpu(
     const OptTensor& bias, const OptTensor& initial_state, const OptTensor& cu_seqlens, bool use_silu) {
   const ConvSizes sz = check_short_conv_args(x, weight, bias, initial_state, cu_seqlens);
   const int64_t B = sz.B, T = sz.T, D = sz.D, W = sz.W, N = sz.N;
-  check_device_as(x, "x", dy, "dy");
-  TORCH_CHECK(dy.sizes() == x.sizes(), "dy must have the shape of x ", shape_str(x), ", got ", shape_str(dy));
-  at::Tensor dfs;
-  if (d_final_state.has_value() && d_final_state->numel() > 0) {
-    dfs = *d_final_state;
-    check_device_as(x, "x", dfs, "d_final_state");
-    TORCH_CHECK(dfs.dim() == 3 && dfs.size(0) == N && dfs.size(1) == D && dfs.size(2) == W - 1,
-                "d_final_state must have shape [N, D, W - 1] = [", N, ", ", D, ", ", W - 1, "], got ",
-                shape_str(dfs));
-  }
+  const at::Tensor dfs = check_short_conv_grads(x, sz, dy, d_final_state);
   const at::ScalarType acc = acc_dtype(x.scalar_type());
   const at::Tensor xc = x.contiguous();
   const at::Tensor dyc = dy.to(acc).contiguous();
@@ -188,19 +182,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> short_conv_bwd_cpu(
     const ConvOperands<scalar_t> ops(xc, h0, weight, bias, acc, T, D, W);
     const SeqInput<scalar_t>& in = ops.in;
     const acc_t* wp = ops.wp;
-    const acc_t* bp = ops.bp;
     const acc_t* dfp = dfc.defined() ? dfc.data_ptr<acc_t>() : nullptr;
     acc_t* dzp = dz.data_ptr<acc_t>();
 
     // dz = dy * act'(z), z recomputed (into dz, then replaced by ATen's vectorised silu_backward).
     if (use_silu) {
-      at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t lo, int64_t hi) {
-        for (int64_t i = lo; i < hi; ++i) {
-          const Block& blk = blocks[i];
-          const Seq& s = seqs[blk.seq];
-          conv_rows(in, wp, bp, s, blk.t0, blk.t1, dzp + (s.b * T + blk.t0) * D);
-        }
-      });
+      ops.pre_activation(seqs, blocks, dzp);
       dz.copy_(at::silu_backward(dyc, dz));
     } else {
       dz.copy_(dyc);

@@ -9,18 +9,39 @@
 // each, one float4) by RT row threads (K / RT rows each, strided by RT, so a warp reads 32 / CT full rows of
 // 4 * CT floats). The state tile stays in registers across the T tokens; the column sums over K reduce with warp
 // shuffles and one shared-memory step across the warps. The state is loaded and stored with streaming
-// (evict-first) hints: it is touched once per step, and the hints measured 15-20% faster at B >= 64.
+// (evict-first) hints: it is touched once per step (benchmarks/RESULTS.md, "CUDA design measurements").
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "../checks.h"
 #include "device_utils.cuh"
 
 namespace gated_delta {
-namespace layer_cuda {
+namespace cuda {
 namespace {
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+constexpr int kDecodeVMultiple = 4;  // V granularity of the decode kernel (one float4 per column thread)
+
+// Sizes (DecodeSizes: B, T, H, HV, K, V), inputs and outputs of the decode kernel.
+struct DecodeParams : DecodeSizes {
+  const void* q = nullptr;        // [B, T, H, K], dtype
+  const void* k = nullptr;        // [B, T, H, K], dtype
+  const void* v = nullptr;        // [B, T, HV, V], dtype
+  const void* a = nullptr;        // [B, T, HV], a_dtype
+  const void* b = nullptr;        // [B, T, HV], b_dtype
+  const void* A_log = nullptr;    // [HV], A_dtype
+  const void* dt_bias = nullptr;  // [HV], dt_dtype
+  float* state = nullptr;         // [B, HV, K, V] fp32, 16-byte aligned, updated in place
+  void* o = nullptr;              // [B, T, HV, V], dtype
+  DType dtype = DType::kFloat, a_dtype = DType::kFloat, b_dtype = DType::kFloat, A_dtype = DType::kFloat,
+        dt_dtype = DType::kFloat;
+  float scale = 1.f;
+  bool allow_neg_eigval = false;
+};
 
 // Sum over the row threads of a warp that share a column thread (lanes tx, tx + CT, tx + 2 CT, ...).
 template <int CT>
@@ -89,8 +110,8 @@ __global__ void __launch_bounds__(CT * RT) decode_step_kernel(DecodeParams p) {
     // q, k of this head into shared memory, with |q|^2, |k|^2, q.k
     float qq = 0.f, kk = 0.f, qk = 0.f;
     for (int i = tid; i < K; i += kThreads) {
-      const float qv = to_float(q[(tok * p.H + h) * K + i]);
-      const float kv = to_float(k[(tok * p.H + h) * K + i]);
+      const float qv = to_f(q[(tok * p.H + h) * K + i]);
+      const float kv = to_f(k[(tok * p.H + h) * K + i]);
       q_sh[i] = qv;
       k_sh[i] = kv;
       qq += qv * qv;
@@ -157,16 +178,16 @@ __global__ void __launch_bounds__(CT * RT) decode_step_kernel(DecodeParams p) {
     float4 u = make_float4(0.f, 0.f, 0.f, 0.f);
     if (active) {
       const T* vr = v + (tok * p.HV + hv) * p.V + c0;
-      u.x = beta * (to_float(vr[0]) - alpha * sk.x);
-      u.y = beta * (to_float(vr[1]) - alpha * sk.y);
-      u.z = beta * (to_float(vr[2]) - alpha * sk.z);
-      u.w = beta * (to_float(vr[3]) - alpha * sk.w);
+      u.x = beta * (to_f(vr[0]) - alpha * sk.x);
+      u.y = beta * (to_f(vr[1]) - alpha * sk.y);
+      u.z = beta * (to_f(vr[2]) - alpha * sk.z);
+      u.w = beta * (to_f(vr[3]) - alpha * sk.w);
       if (ty == 0) {
         T* orow = o + (tok * p.HV + hv) * p.V + c0;
-        orow[0] = from_float<T>(p.scale * (alpha * sq.x + u.x * qk_unit));
-        orow[1] = from_float<T>(p.scale * (alpha * sq.y + u.y * qk_unit));
-        orow[2] = from_float<T>(p.scale * (alpha * sq.z + u.z * qk_unit));
-        orow[3] = from_float<T>(p.scale * (alpha * sq.w + u.w * qk_unit));
+        orow[0] = from_f<T>(p.scale * (alpha * sq.x + u.x * qk_unit));
+        orow[1] = from_f<T>(p.scale * (alpha * sq.y + u.y * qk_unit));
+        orow[2] = from_f<T>(p.scale * (alpha * sq.z + u.z * qk_unit));
+        orow[3] = from_f<T>(p.scale * (alpha * sq.w + u.w * qk_unit));
       }
     }
 #pragma unroll
@@ -188,39 +209,72 @@ __global__ void __launch_bounds__(CT * RT) decode_step_kernel(DecodeParams p) {
 }
 
 template <class T, int K, int CT, int RT, bool STREAM>
-cudaError_t launch_config(const DecodeParams& p, cudaStream_t stream) {
+void launch_config(const DecodeParams& p, cudaStream_t stream) {
   constexpr int kTileV = 4 * CT;
   dim3 grid(static_cast<unsigned>((p.V + kTileV - 1) / kTileV), static_cast<unsigned>(p.HV),
             static_cast<unsigned>(p.B));
   decode_step_kernel<T, K, CT, RT, STREAM><<<grid, CT * RT, 0, stream>>>(p);
-  return cudaGetLastError();
+  GD_CUDA_LAUNCH_CHECK();
 }
 
-// 64-column tiles of 16 x 8 threads (16 rows per thread) with streaming state loads and stores: on the H200
-// (H=16, HV=32, K=V=128, random fp32 state) this shape measured best of nine at B = 1, 64 and 256, within 1.07x of
-// the copy floor at B = 256 (benchmarks/RESULTS.md).
+// 64-column tiles of 16 x 8 threads (16 rows per thread) with streaming state loads and stores: the best of the
+// shapes measured (benchmarks/RESULTS.md, "CUDA design measurements").
 template <class T, int K>
-cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
-  return launch_config<T, K, 16, 8, true>(p, stream);
+void launch(const DecodeParams& p, cudaStream_t stream) {
+  launch_config<T, K, 16, 8, true>(p, stream);
+}
+
+void launch_decode_step(const DecodeParams& p, cudaStream_t stream) {
+  if (p.B == 0 || p.T == 0) return;
+  GD_DTYPE_SWITCH(p.dtype, T, [&] {
+    GD_HEADK_SWITCH_IN(DecodeHeadDims, p.K, KC, [&] { launch<T, KC>(p, stream); });
+  });
+}
+
+// ---- host side ----
+
+at::Tensor decode_step_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& a,
+                            const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias,
+                            at::Tensor& state, double scale, bool allow_neg_eigval) {
+  const DecodeSizes s = check_decode_step_args(q, k, v, a, b, A_log, dt_bias, state, scale);
+  TORCH_CHECK(is_head_dim(s.K, DecodeHeadDims{}), "q must have K in ", head_dims_str(DecodeHeadDims{}),
+              " for the CUDA decode step, got K = ", s.K);
+  TORCH_CHECK(s.V % kDecodeVMultiple == 0, "v must have V a multiple of ", kDecodeVMultiple,
+              " for the CUDA decode step, got V = ", s.V);
+  TORCH_CHECK(s.B <= 65535 && s.HV <= 65535, "the CUDA decode step supports B, HV <= 65535, got B = ", s.B,
+              ", HV = ", s.HV);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(state.data_ptr()) % 16 == 0,
+              "state must be 16-byte aligned for the CUDA decode step (it is read as float4)");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  const at::Tensor Ac = A_log.contiguous(), dc = dt_bias.contiguous();
+  at::Tensor o = at::empty({s.B, s.T, s.HV, s.V}, v.options());
+  DecodeParams p;
+  p.q = qc.data_ptr();
+  p.k = kc.data_ptr();
+  p.v = vc.data_ptr();
+  p.a = ac.data_ptr();
+  p.b = bc.data_ptr();
+  p.A_log = Ac.data_ptr();
+  p.dt_bias = dc.data_ptr();
+  p.state = state.data_ptr<float>();
+  p.o = o.data_ptr();
+  static_cast<DecodeSizes&>(p) = s;
+  p.dtype = dtype_of(q.scalar_type(), "q");
+  p.a_dtype = dtype_of(a.scalar_type(), "a");
+  p.b_dtype = dtype_of(b.scalar_type(), "b");
+  p.A_dtype = dtype_of(A_log.scalar_type(), "A_log");
+  p.dt_dtype = dtype_of(dt_bias.scalar_type(), "dt_bias");
+  p.scale = static_cast<float>(scale);
+  p.allow_neg_eigval = allow_neg_eigval;
+  launch_decode_step(p, at::cuda::getCurrentCUDAStream());
+  return o;
 }
 
 }  // namespace
 
-bool decode_supports_head_k(int64_t K) { return K == 16 || K == 32 || K == 64 || K == 128 || K == 256; }
+TORCH_LIBRARY_IMPL(gated_delta, CUDA, m) { m.impl("decode_step", &decode_step_cuda); }
 
-cudaError_t decode_step(const DecodeParams& p, cudaStream_t stream) {
-  if (!decode_supports_head_k(p.K) || p.V % kDecodeVMultiple != 0) return cudaErrorInvalidValue;
-  if (p.B == 0 || p.T == 0) return cudaSuccess;
-  return LAYER_DTYPE_SWITCH(p.dtype, T, [&] {
-    switch (p.K) {
-      case 16: return launch<T, 16>(p, stream);
-      case 32: return launch<T, 32>(p, stream);
-      case 64: return launch<T, 64>(p, stream);
-      case 128: return launch<T, 128>(p, stream);
-      default: return launch<T, 256>(p, stream);
-    }
-  });
-}
-
-}  // namespace layer_cuda
+}  // namespace cuda
 }  // namespace gated_delta

@@ -1,7 +1,8 @@
-// Host side of the CUDA backend: core_forward_cuda / core_backward_cuda (core.h). Validates what only the CUDA
-// kernels limit (head dims, dtypes), lays out the chunks and work units (equal-length batches need no host data,
-// so no device->host sync and the calls are CUDA-graph capturable; varlen batches build small tables on the host),
-// allocates the intermediates and launches the kernels on the current stream.
+// Host side of the CUDA backend of the gated delta rule: core_forward_cuda / core_backward_cuda (../delta_rule.h)
+// and their registration. Validates what only the CUDA kernels limit (head dims, dtypes), lays out the chunks and
+// work units (equal-length batches need no host data, so no device->host sync and the calls are CUDA-graph
+// capturable; varlen batches build small tables on the host), allocates the intermediates and launches the kernels
+// (delta_rule/) on the current stream.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -10,6 +11,8 @@
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include <torch/library.h>
 
 #include "../checks.h"
 #include "../delta_rule.h"
@@ -24,10 +27,10 @@ constexpr int kC = cuda::kChunk;
 
 void check_cuda_limits(const CoreArgs& a) {
   const int64_t K = a.head_k(), V = a.head_v();
-  auto ok = [](int64_t d) { return d == 64 || d == 128 || d == 256; };
   // (the message is formatted with std::to_string: streaming integers into c10::str crashed in one toolchain mix)
-  TORCH_CHECK(ok(K) && ok(V), std::string("gated_delta CUDA kernels support head dims K and V in {64, 128, 256} only, "
-                                          "got K = ") + std::to_string(K) + ", V = " + std::to_string(V));
+  TORCH_CHECK(cuda::is_head_dim(K) && cuda::is_head_dim(V),
+              std::string("gated_delta CUDA kernels support head dims K and V in ") + cuda::head_dims_str() +
+                  " only, got K = " + std::to_string(K) + ", V = " + std::to_string(V));
   const auto st = a.q.scalar_type();
   TORCH_CHECK(st == at::kBFloat16 || st == at::kHalf || st == at::kFloat,
               std::string("gated_delta CUDA kernels support bfloat16, float16 and float32 inputs, got ") +
@@ -35,27 +38,6 @@ void check_cuda_limits(const CoreArgs& a) {
   TORCH_CHECK(a.seqlen() * std::max(a.num_qk_heads(), a.num_v_heads()) < (int64_t(1) << 31) &&
                   a.batch() * a.seqlen() < (int64_t(1) << 31),
               "gated_delta CUDA kernels: B * T * heads must stay below 2^31");
-}
-
-// The values of a host copy of cu_seqlens: starts at 0, never decreases, ends at T (messages built with
-// std::to_string, see check_cuda_limits).
-void check_cu_seqlens_host(const at::Tensor& cu_host, int64_t T) {
-  const int64_t* c = cu_host.data_ptr<int64_t>();
-  const int64_t n = cu_host.size(0);
-  TORCH_CHECK(c[0] == 0, std::string("cu_seqlens must start at 0, got ") + std::to_string(c[0]));
-  for (int64_t i = 1; i < n; ++i) {
-    TORCH_CHECK(c[i] >= c[i - 1], std::string("cu_seqlens must be non-decreasing, got cu_seqlens[") +
-                                      std::to_string(i) + "] = " + std::to_string(c[i]) + " < cu_seqlens[" +
-                                      std::to_string(i - 1) + "] = " + std::to_string(c[i - 1]));
-  }
-  TORCH_CHECK(c[n - 1] == T, std::string("cu_seqlens must end at T = ") + std::to_string(T) +
-                                 " (the packed length), got " + std::to_string(c[n - 1]));
-}
-
-int dtype_code(at::ScalarType t) {
-  if (t == at::kBFloat16) return 0;
-  if (t == at::kHalf) return 1;
-  return 2;
 }
 
 // contiguous, 16-byte aligned (cp.async moves 16-byte vectors)
@@ -118,7 +100,7 @@ Layout make_layout(const CoreArgs& a) {
   at::Tensor cu_host = a.cu_seqlens_cpu;
   if (!cu_host.defined()) {
     cu_host = a.cu_seqlens.to(at::kCPU).to(at::kLong).contiguous();  // one device->host copy
-    check_cu_seqlens_host(cu_host, T);
+    check_cu_seqlens_values(cu_host, T, "cu_seqlens");
   }
   cu_host = cu_host.to(at::kLong).contiguous();
   const int64_t* cu = cu_host.data_ptr<int64_t>();
@@ -198,8 +180,8 @@ Params base_params(const CoreArgs& a, const Layout& L) {
   p.seg = L.seg;
   p.segs_per_seq = L.segs_per_seq;
   // 32-column state tiles when 64-column ones would leave most multiprocessors idle in the sequential kernels:
-  // on the H200, 64 -> 128 CTAs sped up the backward's state passes (1 x 32768, HV = 32), but 128 -> 256 slowed
-  // the reverse pass by 1.6x (HV = 64), so only below half the SM count
+  // doubling the CTAs sped up the backward's state passes, doubling again slowed the reverse pass, so only below
+  // half the SM count (benchmarks/RESULTS.md, "CUDA design measurements")
   const int64_t ctas64 = static_cast<int64_t>(L.num_units) * p.HV * (p.V / 64);
   const int sms = num_sms(a.q);
   p.tile32 = 2 * ctas64 <= sms ? 1 : 0;
@@ -232,7 +214,7 @@ struct Call {
   Inputs in;
   Layout L;
   Params p;
-  int dt;
+  cuda::DType dt;
   at::TensorOptions opts, fopts;  // input dtype, fp32
   void* stream;
 };
@@ -244,7 +226,7 @@ Call begin_call(const CoreArgs& a) {
   c.in = dense_inputs(a);
   c.L = make_layout(a);
   c.p = base_params(a, c.L);
-  c.dt = dtype_code(a.q.scalar_type());
+  c.dt = cuda::dtype_of(a.q.scalar_type(), "q");
   c.opts = c.in.q.options();
   c.fopts = c.opts.dtype(at::kFloat);
   c.p.q = c.in.q.data_ptr();
@@ -402,6 +384,11 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   cuda::launch_grad_wy(p, c.dt, c.stream);
   gr.d_initial_state = dh0;
   return gr;
+}
+
+TORCH_LIBRARY_IMPL(gated_delta, CUDA, m) {
+  m.impl("fwd", fwd_kernel<fwd_impl<core_forward_cuda>>);
+  m.impl("bwd", bwd_kernel<bwd_impl<core_backward_cuda>>);
 }
 
 }  // namespace gated_delta

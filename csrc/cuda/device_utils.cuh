@@ -1,4 +1,5 @@
-// Device helpers shared by the layer kernels: storage-type conversions, run-time dtype loads, dtype switches.
+// Device helpers shared by the CUDA kernels: storage-type conversions, paired stores, loads of a run-time dtype,
+// shared-memory addresses, and small arithmetic (warp sums, sigmoid, ceil_div).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -7,92 +8,65 @@
 
 #include <cstdint>
 
-#include "layer_kernels.h"
+#include "dispatch.cuh"
 
 namespace gated_delta {
-namespace layer_cuda {
+namespace cuda {
 
-template <class T> __device__ __forceinline__ float to_float(T x);
-template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+// ---- storage types: __nv_bfloat16, __half, float ----
 
-template <class T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
+template <class St> __device__ __forceinline__ float to_f(St x);
+template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <> __device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_f<float>(float x) { return x; }
+
+template <class St> __device__ __forceinline__ St from_f(float x);
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+
+// store two consecutive elements
+template <class St> __device__ __forceinline__ void st2(St* p, float a, float b);
+template <> __device__ __forceinline__ void st2<__nv_bfloat16>(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+template <> __device__ __forceinline__ void st2<__half>(__half* p, float a, float b) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
+template <> __device__ __forceinline__ void st2<float>(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+// two consecutive gradient elements at g + off: in the input dtype St, or in fp32 when f32 (Params::grad_f32)
+template <class St> __device__ __forceinline__ void st2_grad(void* g, int64_t off, float a, float b, bool f32) {
+  if (f32) st2<float>(static_cast<float*>(g) + off, a, b);
+  else st2<St>(static_cast<St*>(g) + off, a, b);
 }
 
 // Element i of a tensor whose dtype is only known at run time (small per-head / per-token scalars).
-__device__ __forceinline__ float load_as_float(const void* p, int dtype, int64_t i) {
+__device__ __forceinline__ float load_as_float(const void* p, DType dtype, int64_t i) {
   switch (dtype) {
-    case kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case kHalf: return __half2float(static_cast<const __half*>(p)[i]);
+    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case DType::kHalf: return __half2float(static_cast<const __half*>(p)[i]);
     default: return static_cast<const float*>(p)[i];
   }
 }
 
-__device__ __forceinline__ float sigmoidf_(float z) { return 1.f / (1.f + __expf(-z)); }
-
-// Index n of the sequence holding token t: the largest n in [0, N) with cu[n] <= t (binary search). Values are not
-// trusted: callers clamp the bounds they derive from cu.
-__device__ __forceinline__ int64_t find_sequence(const int64_t* cu, int64_t N, int64_t t) {
-  int64_t lo = 0, hi = N - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (cu[mid] <= t) lo = mid; else hi = mid - 1;
-  }
-  return lo;
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
+// ---- arithmetic ----
 
-}  // namespace layer_cuda
+// sum over the 32 lanes of a warp, in every lane
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float sigmoidf_(float z) { return 1.f / (1.f + __expf(-z)); }
+
+__host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace cuda
 }  // namespace gated_delta
-
-// Run-time (input dtype, parameter dtype) -> compile-time types T (storage) and Wt (weights: T or float).
-#define LAYER_DTYPE_WTYPE_SWITCH(DTYPE, WDTYPE, T, Wt, ...)                                   \
-  [&]() -> cudaError_t {                                                                      \
-    using namespace ::gated_delta::layer_cuda;                                                \
-    if ((DTYPE) == kFloat) {                                                                  \
-      using T = float;                                                                        \
-      using Wt = float;                                                                       \
-      return __VA_ARGS__();                                                                   \
-    } else if ((DTYPE) == kBFloat16) {                                                        \
-      using T = __nv_bfloat16;                                                                \
-      if ((WDTYPE) == kFloat) {                                                               \
-        using Wt = float;                                                                     \
-        return __VA_ARGS__();                                                                 \
-      } else {                                                                                \
-        using Wt = __nv_bfloat16;                                                             \
-        return __VA_ARGS__();                                                                 \
-      }                                                                                       \
-    } else if ((DTYPE) == kHalf) {                                                            \
-      using T = __half;                                                                       \
-      if ((WDTYPE) == kFloat) {                                                               \
-        using Wt = float;                                                                     \
-        return __VA_ARGS__();                                                                 \
-      } else {                                                                                \
-        using Wt = __half;                                                                    \
-        return __VA_ARGS__();                                                                 \
-      }                                                                                       \
-    }                                                                                         \
-    return cudaErrorInvalidValue;                                                             \
-  }()
-
-#define LAYER_DTYPE_SWITCH(DTYPE, T, ...)                                                     \
-  [&]() -> cudaError_t {                                                                      \
-    using namespace ::gated_delta::layer_cuda;                                                \
-    if ((DTYPE) == kFloat) {                                                                  \
-      using T = float;                                                                        \
-      return __VA_ARGS__();                                                                   \
-    } else if ((DTYPE) == kBFloat16) {                                                        \
-      using T = __nv_bfloat16;                                                                \
-      return __VA_ARGS__();                                                                   \
-    } else if ((DTYPE) == kHalf) {                                                            \
-      using T = __half;                                                                       \
-      return __VA_ARGS__();                                                                   \
-    }                                                                                         \
-    return cudaErrorInvalidValue;                                                             \
-  }()

@@ -9,22 +9,30 @@
 #include <tuple>
 #include <vector>
 
+#include "../../csrc/delta_rule.h"
+
 namespace {
 
-using OptTensor = c10::optional<at::Tensor>;
+using gated_delta::OptTensor;
 
+// The fwd op through the dispatcher, its arguments given as the library's DeltaRuleArgs.
 std::tuple<at::Tensor, at::Tensor> gated_delta_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                    const at::Tensor& g, const at::Tensor& beta, double scale,
                                                    const OptTensor& h0, const OptTensor& cu_seqlens,
                                                    const std::string& algorithm) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("gated_delta::fwd", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(
-                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, double, const OptTensor&, bool, const OptTensor&, const OptTensor&,
-                           bool, bool, bool, bool, const OptTensor&, const OptTensor&, c10::string_view, int64_t)>();
-  return op.call(q, k, v, g, beta, scale, h0, /*output_final_state=*/true, cu_seqlens, c10::nullopt, false, false,
-                 false, false, c10::nullopt, c10::nullopt, algorithm, /*chunk_size=*/16);
+  gated_delta::DeltaRuleArgs args;
+  args.q = q;
+  args.k = k;
+  args.v = v;
+  args.g = g;
+  args.beta = beta;
+  args.scale = scale;
+  args.initial_state = h0;
+  args.output_final_state = true;
+  args.cu_seqlens = cu_seqlens;
+  args.algorithm = algorithm;
+  args.chunk_size = 16;
+  return gated_delta::call_fwd(args);
 }
 
 // S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = scale S^T q   (differentiable ATen ops)

@@ -56,6 +56,8 @@ struct Problem {
   int64_t gb_off(const Unit& u) const { return (u.b * HV + u.hv) * T + u.t0; }
   int64_t state_off(const Unit& u) const { return (u.n * HV + u.hv) * K * V; }
   int64_t num_chunks(const Unit& u) const { return (u.len + C - 1) / C; }
+  // Rows of the chunk kernels' scratch space: a chunk, or the longest unit when shorter.
+  int64_t chunk_rows() const { return std::max<int64_t>(1, std::min(C, max_len)); }
 
   // Unit indices, longest first (the order in which dynamic scheduling balances best).
   std::vector<int64_t> units_longest_first() const {
@@ -176,6 +178,11 @@ template <typename T>
 void scan_forward(const Problem& p, const Inputs<T>& in, T* o, T* ht);
 template <typename T>
 void scan_backward(const Problem& p, const Inputs<T>& in, const T* d_o, const T* dht, const Grads<T>& gr);
+
+// The explicit instantiations of algorithm ALGO (ALGO_forward, ALGO_backward) for the state dtype T, in its file.
+#define GATED_DELTA_CPU_ALGORITHM_INSTANCES(ALGO, T)                                 \
+  template void ALGO##_forward<T>(const Problem&, const Inputs<T>&, T*, T*);         \
+  template void ALGO##_backward<T>(const Problem&, const Inputs<T>&, const T*, const T*, const Grads<T>&);
 
 }  // namespace cpu
 }  // namespace gated_delta

@@ -25,8 +25,7 @@ void load_state(T* S, const T* src, int64_t n) {
 
 template <typename T>
 void chunk_forward(const Problem& p, const Inputs<T>& in, T* o, T* ht) {
-  const int64_t K = p.K, V = p.V, KV = K * V, C = p.C;
-  const int64_t Cw = std::max<int64_t>(1, std::min(C, p.max_len));
+  const int64_t K = p.K, V = p.V, KV = K * V, C = p.C, Cw = p.chunk_rows();
   const T scale = static_cast<T>(p.scale);
   const auto order = p.units_longest_first();
   struct Work {
@@ -50,8 +49,7 @@ void chunk_forward(const Problem& p, const Inputs<T>& in, T* o, T* ht) {
 
 template <typename T>
 void chunk_backward(const Problem& p, const Inputs<T>& in, const T* d_o, const T* dht, const Grads<T>& gr) {
-  const int64_t K = p.K, V = p.V, KV = K * V, C = p.C;
-  const int64_t Cw = std::max<int64_t>(1, std::min(C, p.max_len));
+  const int64_t K = p.K, V = p.V, KV = K * V, C = p.C, Cw = p.chunk_rows();
   const T scale = static_cast<T>(p.scale);
   const auto order = p.units_longest_first();
   struct Work {
@@ -86,12 +84,8 @@ void chunk_backward(const Problem& p, const Inputs<T>& in, const T* d_o, const T
       });
 }
 
-template void chunk_forward<float>(const Problem&, const Inputs<float>&, float*, float*);
-template void chunk_forward<double>(const Problem&, const Inputs<double>&, double*, double*);
-template void chunk_backward<float>(const Problem&, const Inputs<float>&, const float*, const float*,
-                                    const Grads<float>&);
-template void chunk_backward<double>(const Problem&, const Inputs<double>&, const double*, const double*,
-                                     const Grads<double>&);
+GATED_DELTA_CPU_ALGORITHM_INSTANCES(chunk, float)
+GATED_DELTA_CPU_ALGORITHM_INSTANCES(chunk, double)
 
 }  // namespace cpu
 }  // namespace gated_delta

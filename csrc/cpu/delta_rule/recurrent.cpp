@@ -147,12 +147,8 @@ void recurrent_backward(const Problem& p, const Inputs<T>& in, const T* d_o, con
       });
 }
 
-template void recurrent_forward<float>(const Problem&, const Inputs<float>&, float*, float*);
-template void recurrent_forward<double>(const Problem&, const Inputs<double>&, double*, double*);
-template void recurrent_backward<float>(const Problem&, const Inputs<float>&, const float*, const float*,
-                                        const Grads<float>&);
-template void recurrent_backward<double>(const Problem&, const Inputs<double>&, const double*, const double*,
-                                         const Grads<double>&);
+GATED_DELTA_CPU_ALGORITHM_INSTANCES(recurrent, float)
+GATED_DELTA_CPU_ALGORITHM_INSTANCES(recurrent, double)
 
 }  // namespace cpu
 }  // namespace gated_delta

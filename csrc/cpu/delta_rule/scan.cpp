@@ -173,7 +173,7 @@ ChunkIn<T> chunk_of(const Problem& p, const Inputs<T>& in, const ChunkList& cl, 
 template <typename T>
 void scan_forward(const Problem& p, const Inputs<T>& in, T* o, T* ht) {
   const int64_t K = p.K, V = p.V, KK = K * K, KV = K * V;
-  const int64_t Cw = std::max<int64_t>(1, std::min(p.C, p.max_len));
+  const int64_t Cw = p.chunk_rows();
   const T scale = static_cast<T>(p.scale);
   const ChunkList cl = list_chunks(p);
   const int64_t U = static_cast<int64_t>(p.units.size());
@@ -198,7 +198,7 @@ void scan_forward(const Problem& p, const Inputs<T>& in, T* o, T* ht) {
 template <typename T>
 void scan_backward(const Problem& p, const Inputs<T>& in, const T* d_o, const T* dht, const Grads<T>& gr) {
   const int64_t K = p.K, V = p.V, KK = K * K, KV = K * V;
-  const int64_t Cw = std::max<int64_t>(1, std::min(p.C, p.max_len));
+  const int64_t Cw = p.chunk_rows();
   const T scale = static_cast<T>(p.scale);
   const ChunkList cl = list_chunks(p);
   const int64_t U = static_cast<int64_t>(p.units.size());
@@ -227,12 +227,8 @@ void scan_backward(const Problem& p, const Inputs<T>& in, const T* d_o, const T*
   if (gr.dh0 != nullptr) std::memcpy(gr.dh0, fin.data(), sizeof(T) * U * KV);
 }
 
-template void scan_forward<float>(const Problem&, const Inputs<float>&, float*, float*);
-template void scan_forward<double>(const Problem&, const Inputs<double>&, double*, double*);
-template void scan_backward<float>(const Problem&, const Inputs<float>&, const float*, const float*,
-                                   const Grads<float>&);
-template void scan_backward<double>(const Problem&, const Inputs<double>&, const double*, const double*,
-                                    const Grads<double>&);
+GATED_DELTA_CPU_ALGORITHM_INSTANCES(scan, float)
+GATED_DELTA_CPU_ALGORITHM_INSTANCES(scan, double)
 
 }  // namespace cpu
 }  // namespace gated_delta

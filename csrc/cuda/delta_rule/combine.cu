@@ -4,10 +4,8 @@
 // Before each step the current X is stored as that unit's starting state (forward: the state entering the unit;
 // reverse: the gradient of the state leaving it), and at the end the final one (final state / initial-state
 // gradient). States use the [K][V] layout of the user's states.
-#include <c10/cuda/CUDAException.h>
-
-#include "mma.cuh"
 #include "../dispatch.cuh"
+#include "params.h"
 
 namespace gated_delta {
 namespace cuda {
@@ -75,9 +73,9 @@ void launch_combine(const Params& p, int reverse, void* stream) {
   GD_HEADK_SWITCH(p.K, KC, [&] {
     const size_t smem = sizeof(float) * 64 * KC;
     auto kern = combine_kernel<KC>;
-    C10_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), smem));
+    GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), smem));
     kern<<<dim3(p.N, p.HV, p.V / 64), 256, smem, static_cast<cudaStream_t>(stream)>>>(p, reverse);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    GD_CUDA_LAUNCH_CHECK();
   });
 }
 

@@ -10,10 +10,12 @@
 // backward's prep), then back through W = Tm diag(beta e^gam) K and U = Tm diag(beta) V with dU = dVn:
 //   dTm = dW (diag(beta e^gam) K)^T + dU (diag(beta) V)^T,  dM = -Tm^T dTm Tm^T (strictly lower)
 //   dK += diag(beta e^gam) Tm^T dW + R K + R^T K (R = dM o beta_i E),  dV = diag(beta) Tm^T dU,  dbeta, dg.
-#include <c10/cuda/CUDAException.h>
-
-#include "mma.cuh"
+// Mirrored kernel staging: its tile loads and per-head loops follow the same pattern as the other chunk-parallel
+// kernels (prep.cu, grad_qk.cu, grad_wy.cu), each written out so that its pipeline is tuned on its own.
 #include "../dispatch.cuh"
+#include "chunks.cuh"
+#include "mma.cuh"
+#include "tile_load.cuh"
 
 namespace gated_delta {
 namespace cuda {
@@ -262,14 +264,14 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
     }
 }
 
-void launch_grad_qk(const Params& p, int dtype, void* stream) {
+void launch_grad_qk(const Params& p, DType dtype, void* stream) {
   if (p.NC == 0) return;
   GD_DTYPE_SWITCH(dtype, St, [&] {
     using F = QkCfg<St>;
     auto kern = grad_qk_kernel<St>;
-    C10_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
+    GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
     kern<<<dim3(p.NC, p.H, p.K / 64), 256, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    GD_CUDA_LAUNCH_CHECK();
   });
 }
 

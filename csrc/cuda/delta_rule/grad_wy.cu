@@ -10,11 +10,14 @@
 // backward's prep), then back through W = Tm diag(beta e^gam) K and U = Tm diag(beta) V with dU = dVn:
 //   dTm = dW (diag(beta e^gam) K)^T + dU (diag(beta) V)^T,  dM = -Tm^T dTm Tm^T (strictly lower)
 //   dK += diag(beta e^gam) Tm^T dW + R K + R^T K (R = dM o beta_i E),  dV = diag(beta) Tm^T dU,  dbeta, dg.
-#include <c10/cuda/CUDAException.h>
+// Mirrored kernel staging: its tile loads and per-head loops follow the same pattern as the other chunk-parallel
+// kernels (prep.cu, grad_qk.cu, grad_wy.cu), each written out so that its pipeline is tuned on its own.
 #include <c10/util/Exception.h>
 
-#include "mma.cuh"
 #include "../dispatch.cuh"
+#include "chunks.cuh"
+#include "mma.cuh"
+#include "tile_load.cuh"
 
 namespace gated_delta {
 namespace cuda {
@@ -309,14 +312,14 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
   }
 }
 
-void launch_grad_wy(const Params& p, int dtype, void* stream) {
+void launch_grad_wy(const Params& p, DType dtype, void* stream) {
   if (p.NC == 0) return;
   GD_DTYPE_SWITCH(dtype, St, [&] {
     GD_HEADK_SWITCH(p.K, KC, [&] {
       using F = WyCfg<St, KC>;
       int dev = 0, optin = 0;
-      C10_CUDA_CHECK(cudaGetDevice(&dev));
-      C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+      GD_CUDA_CHECK(cudaGetDevice(&dev));
+      GD_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
       const bool res = F::bytes(true, p.V) <= static_cast<size_t>(optin);
       // 16-bit types always fit (K = V = 256 needs 181 KB); only fp32 has a streamed variant
       void (*kern)(const Params) = grad_wy_kernel<St, KC, true>;
@@ -326,9 +329,9 @@ void launch_grad_wy(const Params& p, int dtype, void* stream) {
         TORCH_CHECK(res, "gated_delta CUDA: grad_wy needs more shared memory than the device offers");
       }
       const size_t bytes = F::bytes(sizeof(St) == 4 ? res : true, p.V);
-      C10_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), bytes));
+      GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), bytes));
       kern<<<dim3(p.NC, p.H), 128, bytes, static_cast<cudaStream_t>(stream)>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      GD_CUDA_LAUNCH_CHECK();
     });
   });
 }

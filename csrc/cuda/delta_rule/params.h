@@ -1,6 +1,6 @@
-// The one parameter struct of the CUDA kernels: sizes, the varlen tables and every pointer, filled by the host
-// code (core_cuda.cpp) and passed by value to each kernel. Plain C++ (no torch headers), so the .cu files compile
-// quickly.
+// The one parameter struct of the gated delta rule's CUDA kernels: sizes, the varlen tables and every pointer,
+// filled by the host code (cuda/delta_rule.cpp) and passed by value to each kernel. No ATen headers, so the .cu
+// files compile quickly.
 //
 // Layouts (all contiguous, C = 64 tokens per chunk, NC chunks in total, padded rows of a short chunk are zero):
 //   q, k   [BT, H, K]   v, o, d_o  [BT, HV, V]   g, beta, dg, dbeta  [BT, HV]  (BT = B * T flat tokens)
@@ -17,10 +17,13 @@
 
 #include <cstdint>
 
+#include "../dispatch.cuh"
+
 namespace gated_delta {
 namespace cuda {
 
 constexpr int kChunk = 64;
+constexpr int C = kChunk;  // the kernels' name for it
 
 struct Params {
   // sizes
@@ -84,16 +87,16 @@ struct Params {
   float* dbeta;
 };
 
-// Launchers (one per kernel family), defined in the .cu files; St is selected by dtype: 0 bf16, 1 fp16, 2 fp32.
-void launch_prep(const Params& p, int dtype, void* stream);
+// Launchers (one per kernel family), defined in the .cu files; the storage type St is selected by dtype.
+void launch_prep(const Params& p, DType dtype, void* stream);
 // mode: 0 forward with output, 1 forward storing hT / VnT, 2 segment maps
-void launch_state_fwd(const Params& p, int dtype, int mode, void* stream);
+void launch_state_fwd(const Params& p, DType dtype, int mode, void* stream);
 // mode: 0 reverse storing dhT / dVnT, 1 segment maps
-void launch_state_rev(const Params& p, int dtype, int mode, void* stream);
+void launch_state_rev(const Params& p, DType dtype, int mode, void* stream);
 // reverse = 0: forward composition (start states, final state), 1: reverse (gradients)
 void launch_combine(const Params& p, int reverse, void* stream);
-void launch_grad_qk(const Params& p, int dtype, void* stream);  // first, writes dq and the first part of dk
-void launch_grad_wy(const Params& p, int dtype, void* stream);  // then, adds into dk
+void launch_grad_qk(const Params& p, DType dtype, void* stream);  // first, writes dq and the first part of dk
+void launch_grad_wy(const Params& p, DType dtype, void* stream);  // then, adds into dk
 
 }  // namespace cuda
 }  // namespace gated_delta

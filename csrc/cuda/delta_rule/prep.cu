@@ -4,10 +4,13 @@
 // K K^T and Q K^T are the same for every value head of a group: a CTA computes them once, keeps them in registers
 // and walks its value heads. KK^T and QK^T, W and U run on tensor cores (fp32 accumulation); the inverse is fp32
 // (blockwise, 16 x 16 blocks).
-#include <c10/cuda/CUDAException.h>
-
-#include "mma.cuh"
+// Mirrored kernel staging: its tile loads and per-head loops follow the same pattern as the other chunk-parallel
+// kernels (prep.cu, grad_qk.cu, grad_wy.cu), each written out so that its pipeline is tuned on its own.
 #include "../dispatch.cuh"
+#include "chunks.cuh"
+#include "mma.cuh"
+#include "tile_load.cuh"
+#include "tri_inverse.cuh"
 
 namespace gated_delta {
 namespace cuda {
@@ -178,15 +181,15 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
   }
 }
 
-void launch_prep(const Params& p, int dtype, void* stream) {
+void launch_prep(const Params& p, DType dtype, void* stream) {
   if (p.NC == 0) return;
   GD_DTYPE_SWITCH(dtype, St, [&] {
     GD_HEADK_SWITCH(p.K, KC, [&] {
       const size_t smem = PrepSmem<St, KC>::bytes;
       auto kern = prep_kernel<St, KC>;
-      C10_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), smem));
+      GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), smem));
       kern<<<dim3(p.NC * (p.HV / p.prep_heads)), 128, smem, static_cast<cudaStream_t>(stream)>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      GD_CUDA_LAUNCH_CHECK();
     });
   });
 }

@@ -11,12 +11,15 @@
 // warps, whose partial products over K are summed through shared memory in a fixed order (in mode 0 each warp of
 // the pair then finishes O^T for half of the chunk's tokens). The next chunk's tiles are prefetched with cp.async
 // (2 stages where they fit).
+// Mirrored kernel staging: the shared-memory stages, the cp.async prefetch of the next chunk and the walk over a
+// unit's chunks are written out here and again in state_rev.cuh (which walks the chunks backwards), and the
+// products over the same tiles repeat within each kernel, so that each pass's pipeline is tuned on its own.
 #pragma once
 
-#include <c10/cuda/CUDAException.h>
-
-#include "mma.cuh"
 #include "../dispatch.cuh"
+#include "chunks.cuh"
+#include "mma.cuh"
+#include "tile_load.cuh"
 
 namespace gated_delta {
 namespace cuda {
@@ -286,10 +289,10 @@ void launch_state_fwd_t(const Params& p, int mode, void* stream) {
         constexpr int M = decltype(mode_c)::value, TW = decltype(tw_c)::value, KSP = decltype(ks_c)::value;
         using F = FwdCfg<St, KC, M, TW, KSP>;
         auto kern = state_fwd_kernel<St, KC, M, TW, KSP>;
-        C10_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
+        GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
         const int tiles = (M == 2) ? (p.V + KC) / TW : p.V / TW;
         kern<<<dim3(p.num_units, tiles, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        GD_CUDA_LAUNCH_CHECK();
       };
       using I0 = std::integral_constant<int, 0>;
       using I1 = std::integral_constant<int, 1>;
@@ -301,8 +304,8 @@ void launch_state_fwd_t(const Params& p, int mode, void* stream) {
         if (p.tile32) go(I1(), T32(), I1());
         else go(I1(), T64(), I1());
       } else {
-        // few CTAs (K = 128): 32-column tiles with K split over two warps (4 warps per CTA): 1 x 32768, HV = 32
-        // measured 2.16 ms against 2.30 with 64-column tiles; 32-column tiles of two warps (K not split) were slower
+        // few CTAs (K = 128): 32-column tiles with K split over two warps (4 warps per CTA), the fastest measured
+        // (benchmarks/RESULTS.md, "CUDA design measurements")
         if constexpr (KC == 128) {
           if (p.tile32) return go(I0(), T32(), I2());
         }

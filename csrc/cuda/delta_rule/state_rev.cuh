@@ -5,12 +5,13 @@
 //   dS^T  = e^{gam_L} dS'^T + dO^T diag(scale e^gam) Q - dVn^T W          (becomes dS' of the previous chunk)
 // Mode 0 stores dhT (= dS'^T of each chunk) and dVn^T; mode 1 computes a unit's reverse map (tiles of the first V
 // columns from 0 give b, tiles of the next K columns from the identity with dO = 0 give the linear part).
+// Mirrored kernel staging: the stages, prefetch and chunk walk mirror state_fwd.cuh's (see there).
 #pragma once
 
-#include <c10/cuda/CUDAException.h>
-
-#include "mma.cuh"
 #include "../dispatch.cuh"
+#include "chunks.cuh"
+#include "mma.cuh"
+#include "tile_load.cuh"
 
 namespace gated_delta {
 namespace cuda {
@@ -204,10 +205,10 @@ void launch_state_rev_t(const Params& p, int mode, void* stream) {
         constexpr int M = decltype(mode_c)::value, TW = decltype(tw_c)::value;
         using F = RevCfg<St, KC, TW>;
         auto kern = state_rev_kernel<St, KC, M, TW>;
-        C10_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
+        GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
         const int tiles = (M == 1) ? (p.V + KC) / TW : p.V / TW;
         kern<<<dim3(p.num_units, tiles, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        GD_CUDA_LAUNCH_CHECK();
       };
       using T32 = std::integral_constant<int, 32>;
       using T64 = std::integral_constant<int, 64>;

@@ -1,0 +1,287 @@
+// Validation of the arguments of every op (checks.h).
+#include "checks.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "delta_rule.h"
+
+namespace gated_delta {
+
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
+}
+
+void check_device_as(const at::Tensor& ref, const char* ref_name, const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device() == ref.device(), name, " must be on the same device as ", ref_name, " (", ref.device(),
+              "), got ", t.device());
+}
+
+void check_param_dtype(const at::Tensor& p, const char* name, at::ScalarType input_dtype, const char* input_name) {
+  TORCH_CHECK(p.scalar_type() == input_dtype || p.scalar_type() == at::kFloat, name, " must have the dtype of ",
+              input_name, " (", input_dtype, ") or float32, got ", p.scalar_type());
+}
+
+int64_t check_cu_seqlens(const at::Tensor& cu, int64_t B, const at::Tensor& ref, const char* ref_name) {
+  check_device_as(ref, ref_name, cu, "cu_seqlens");
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 2, "cu_seqlens must be a 1-D tensor [N + 1] with N >= 1, got ",
+              shape_str(cu));
+  TORCH_CHECK(cu.scalar_type() == at::kLong || cu.scalar_type() == at::kInt, "cu_seqlens must be int32 or int64, got ",
+              cu.scalar_type());
+  TORCH_CHECK(B == 1, "cu_seqlens requires a packed batch with B = 1, got B = ", B);
+  return cu.size(0) - 1;
+}
+
+// (Messages built with std::to_string: streaming integers into c10::str crashed in one toolchain mix.)
+void check_cu_seqlens_values(const at::Tensor& cu_host, int64_t T, const char* name) {
+  const at::Tensor c = cu_host.to(at::kLong).contiguous();
+  const int64_t* p = c.data_ptr<int64_t>();
+  const int64_t n = c.size(0);
+  const std::string nm(name);
+  TORCH_CHECK(p[0] == 0, nm + " must start at 0, got " + std::to_string(p[0]));
+  for (int64_t i = 1; i < n; ++i) {
+    TORCH_CHECK(p[i] >= p[i - 1], nm + " must be non-decreasing, got " + nm + "[" + std::to_string(i) +
+                                      "] = " + std::to_string(p[i]) + " < " + nm + "[" + std::to_string(i - 1) +
+                                      "] = " + std::to_string(p[i - 1]));
+  }
+  TORCH_CHECK(p[n - 1] == T, nm + " must end at T = " + std::to_string(T) + " (the packed length), got " +
+                                 std::to_string(p[n - 1]));
+}
+
+namespace {
+
+struct QKVSizes {
+  int64_t B, T, H, K, HV, V;
+};
+
+// q, k [B, T, H, K] and v [B, T, HV, V] with HV a multiple of H, one float dtype, one device.
+QKVSizes check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4, "q must have shape [B, T, H, K] (4 dimensions), got ", shape_str(q));
+  TORCH_CHECK(is_float_dtype(q.scalar_type()), "q must be float64, float32, bfloat16 or float16, got ",
+              q.scalar_type());
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3);
+  TORCH_CHECK(H >= 1 && K >= 1, "q must have H >= 1 and K >= 1, got ", shape_str(q));
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == q.sizes(), "k must have the shape of q [B, T, H, K] = ", shape_str(q),
+              ", got ", shape_str(k));
+  TORCH_CHECK(v.dim() == 4 && v.size(0) == B && v.size(1) == T, "v must have shape [B, T, HV, V] with B=", B,
+              ", T=", T, ", got ", shape_str(v));
+  const int64_t HV = v.size(2), V = v.size(3);
+  TORCH_CHECK(HV >= 1 && HV % H == 0, "v must have shape [B, T, HV, V] with HV a multiple of H=", H, ", got ",
+              shape_str(v));
+  TORCH_CHECK(V >= 1, "v must have V >= 1, got ", shape_str(v));
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "k must have the dtype of q (", q.scalar_type(), "), got ",
+              k.scalar_type());
+  TORCH_CHECK(v.scalar_type() == q.scalar_type(), "v must have the dtype of q (", q.scalar_type(), "), got ",
+              v.scalar_type());
+  check_device_as(q, "q", k, "k");
+  check_device_as(q, "q", v, "v");
+  return QKVSizes{B, T, H, K, HV, V};
+}
+
+// A per-token scalar [B, T, HV] of any float dtype.
+void check_token_scalar(const at::Tensor& x, const char* name, const QKVSizes& s) {
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == s.B && x.size(1) == s.T && x.size(2) == s.HV, name,
+              " must have shape [B, T, HV] = [", s.B, ", ", s.T, ", ", s.HV, "], got ", shape_str(x));
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), name, " must be a floating-point tensor, got ", x.scalar_type());
+}
+
+// A per-head parameter [HV] of any float dtype.
+void check_head_param(const at::Tensor& q, const at::Tensor& x, const char* name, int64_t HV) {
+  check_device_as(q, "q", x, name);
+  TORCH_CHECK(x.dim() == 1 && x.size(0) == HV, name, " must have shape [HV] = [", HV, "], got ", shape_str(x));
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), name, " must be a floating-point tensor, got ", x.scalar_type());
+}
+
+// A recurrent state of shape `shape` ([N, HV, K, V] or [B, HV, K, V]) in the state dtype of q.
+void check_state(const at::Tensor& q, const at::Tensor& h, const char* name, const char* shape, const QKVSizes& s,
+                 int64_t N) {
+  check_device_as(q, "q", h, name);
+  TORCH_CHECK(h.dim() == 4 && h.size(0) == N && h.size(1) == s.HV && h.size(2) == s.K && h.size(3) == s.V, name,
+              " must have shape ", shape, " = [", N, ", ", s.HV, ", ", s.K, ", ", s.V,
+              "], got ", shape_str(h));
+  const at::ScalarType sd = acc_dtype(q.scalar_type());
+  TORCH_CHECK(h.scalar_type() == sd, name, " must be ", sd, " (the state dtype for ", q.scalar_type(),
+              " inputs), got ", h.scalar_type());
+}
+
+}  // namespace
+
+Sizes check_delta_rule_args(const DeltaRuleArgs& a) {
+  const QKVSizes s = check_qkv(a.q, a.k, a.v);
+  check_device_as(a.q, "q", a.g, "g");
+  check_device_as(a.q, "q", a.beta, "beta");
+  if (a.q.scalar_type() == at::kDouble) {
+    TORCH_CHECK(a.q.device().is_cpu(), "float64 inputs are supported on the CPU only, got q on ", a.q.device());
+  }
+  check_token_scalar(a.g, "g", s);
+  check_token_scalar(a.beta, "beta", s);
+  TORCH_CHECK(std::isfinite(a.scale), "scale must be a finite number, got ", a.scale);
+  TORCH_CHECK(a.chunk_size >= 1, "chunk_size must be >= 1, got ", a.chunk_size);
+
+  int64_t N = s.B;
+  if (a.cu_seqlens.has_value()) {
+    const at::Tensor& cu = *a.cu_seqlens;
+    N = check_cu_seqlens(cu, s.B, a.q, "q");
+    if (a.cu_seqlens_cpu.has_value()) {
+      const at::Tensor& hc = *a.cu_seqlens_cpu;
+      TORCH_CHECK(hc.device().is_cpu(), "cu_seqlens_cpu must be on the CPU, got ", hc.device());
+      TORCH_CHECK(hc.dim() == 1 && hc.size(0) == cu.size(0), "cu_seqlens_cpu must have the shape of cu_seqlens ",
+                  shape_str(cu), ", got ", shape_str(hc));
+      TORCH_CHECK(hc.scalar_type() == at::kLong || hc.scalar_type() == at::kInt,
+                  "cu_seqlens_cpu must be int32 or int64, got ", hc.scalar_type());
+    }
+    // On CUDA without a host copy the backend copies the values to the host and checks them before any kernel
+    // indexes with them.
+  } else {
+    TORCH_CHECK(!a.cu_seqlens_cpu.has_value(), "cu_seqlens_cpu was given without cu_seqlens");
+  }
+  if (a.initial_state.has_value()) check_state(a.q, *a.initial_state, "initial_state", "[N, HV, K, V]", s, N);
+  if (a.use_gate_in_kernel) {
+    TORCH_CHECK(a.A_log.has_value(), "use_gate_in_kernel=True requires A_log, got None");
+    TORCH_CHECK(a.dt_bias.has_value(), "use_gate_in_kernel=True requires dt_bias, got None");
+  }
+  if (a.A_log.has_value()) {
+    TORCH_CHECK(a.use_gate_in_kernel, "A_log is only used with use_gate_in_kernel=True");
+    check_head_param(a.q, *a.A_log, "A_log", s.HV);
+  }
+  if (a.dt_bias.has_value()) {
+    TORCH_CHECK(a.use_gate_in_kernel, "dt_bias is only used with use_gate_in_kernel=True");
+    check_head_param(a.q, *a.dt_bias, "dt_bias", s.HV);
+  }
+  return Sizes{s.B, s.T, s.H, s.HV, s.K, s.V, N};
+}
+
+at::Tensor check_delta_rule_grads(const DeltaRuleArgs& a, const Sizes& s, const at::Tensor& d_o,
+                                  const c10::optional<at::Tensor>& d_final_state) {
+  TORCH_CHECK(d_o.sizes() == a.v.sizes(), "d_o must have the shape of the output [B, T, HV, V] = ", shape_str(a.v),
+              ", got ", shape_str(d_o));
+  check_device_as(a.q, "q", d_o, "d_o");
+  if (!d_final_state.has_value() || d_final_state->numel() == 0) return at::Tensor();
+  const at::Tensor& dht = *d_final_state;
+  check_device_as(a.q, "q", dht, "d_final_state");
+  TORCH_CHECK(dht.dim() == 4 && dht.size(0) == s.N && dht.size(1) == s.HV && dht.size(2) == s.K && dht.size(3) == s.V,
+              "d_final_state must have shape [N, HV, K, V] = [", s.N, ", ", s.HV, ", ", s.K, ", ", s.V, "], got ",
+              shape_str(dht));
+  return dht;
+}
+
+ConvSizes check_short_conv_args(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                                const c10::optional<at::Tensor>& initial_state,
+                                const c10::optional<at::Tensor>& cu_seqlens) {
+  TORCH_CHECK(x.dim() == 3, "x must have shape [B, T, D] (3 dimensions), got ", shape_str(x));
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), "x must be float64, float32, bfloat16 or float16, got ",
+              x.scalar_type());
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == D && weight.size(1) >= 1, "weight must have shape [D, W] = [", D,
+              ", W] with W >= 1, got ", shape_str(weight));
+  const int64_t W = weight.size(1);
+  check_device_as(x, "x", weight, "weight");
+  check_param_dtype(weight, "weight", x.scalar_type(), "x");
+  if (bias.has_value()) {
+    check_device_as(x, "x", *bias, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == D, "bias must have shape [D] = [", D, "], got ",
+                shape_str(*bias));
+    check_param_dtype(*bias, "bias", x.scalar_type(), "x");
+  }
+  int64_t N = B;
+  if (cu_seqlens.has_value()) {
+    N = check_cu_seqlens(*cu_seqlens, B, x, "x");
+    // On the CPU the values are checked here; on CUDA reading them would synchronise the stream, so the kernels
+    // clamp every index they derive from them instead.
+    if (cu_seqlens->device().is_cpu()) check_cu_seqlens_values(*cu_seqlens, T, "cu_seqlens");
+  }
+  if (initial_state.has_value()) {
+    const at::Tensor& h0 = *initial_state;
+    check_device_as(x, "x", h0, "initial_state");
+    TORCH_CHECK(h0.dim() == 3 && h0.size(0) == N && h0.size(1) == D && h0.size(2) == W - 1,
+                "initial_state must have shape [N, D, W - 1] = [", N, ", ", D, ", ", W - 1, "], got ", shape_str(h0));
+    TORCH_CHECK(h0.scalar_type() == x.scalar_type(), "initial_state must have the dtype of x (", x.scalar_type(),
+                "), got ", h0.scalar_type());
+  }
+  return ConvSizes{B, T, D, W, N};
+}
+
+at::Tensor check_short_conv_grads(const at::Tensor& x, const ConvSizes& s, const at::Tensor& dy,
+                                  const c10::optional<at::Tensor>& d_final_state) {
+  check_device_as(x, "x", dy, "dy");
+  TORCH_CHECK(dy.sizes() == x.sizes(), "dy must have the shape of x ", shape_str(x), ", got ", shape_str(dy));
+  if (!d_final_state.has_value() || d_final_state->numel() == 0) return at::Tensor();
+  const at::Tensor& dfs = *d_final_state;
+  check_device_as(x, "x", dfs, "d_final_state");
+  TORCH_CHECK(dfs.dim() == 3 && dfs.size(0) == s.N && dfs.size(1) == s.D && dfs.size(2) == s.W - 1,
+              "d_final_state must have shape [N, D, W - 1] = [", s.N, ", ", s.D, ", ", s.W - 1, "], got ",
+              shape_str(dfs));
+  return dfs;
+}
+
+ConvSizes check_short_conv_update_args(const at::Tensor& x, const at::Tensor& conv_state, const at::Tensor& weight,
+                                       const c10::optional<at::Tensor>& bias) {
+  const ConvSizes s = check_short_conv_args(x, weight, bias, c10::nullopt, c10::nullopt);
+  check_device_as(x, "x", conv_state, "conv_state");
+  TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(0) == s.B && conv_state.size(1) == s.D &&
+                  conv_state.size(2) == s.W - 1,
+              "conv_state must have shape [B, D, W - 1] = [", s.B, ", ", s.D, ", ", s.W - 1, "], got ",
+              shape_str(conv_state));
+  TORCH_CHECK(conv_state.scalar_type() == x.scalar_type(), "conv_state must have the dtype of x (", x.scalar_type(),
+              "), got ", conv_state.scalar_type());
+  TORCH_CHECK(conv_state.is_contiguous(), "conv_state must be contiguous (it is updated in place), got strides ",
+              conv_state.strides());
+  return s;
+}
+
+NormSizes check_gated_rmsnorm_args(const at::Tensor& x, const c10::optional<at::Tensor>& gate,
+                                   const c10::optional<at::Tensor>& weight, double eps) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1, "x must have shape [..., D] with D >= 1, got ", shape_str(x));
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), "x must be float64, float32, bfloat16 or float16, got ",
+              x.scalar_type());
+  const int64_t D = x.size(-1);
+  if (gate.has_value()) {
+    check_device_as(x, "x", *gate, "gate");
+    TORCH_CHECK(gate->sizes() == x.sizes(), "gate must have the shape of x ", shape_str(x), ", got ",
+                shape_str(*gate));
+    TORCH_CHECK(gate->scalar_type() == x.scalar_type(), "gate must have the dtype of x (", x.scalar_type(),
+                "), got ", gate->scalar_type());
+  }
+  if (weight.has_value()) {
+    check_device_as(x, "x", *weight, "weight");
+    TORCH_CHECK(weight->dim() == 1 && weight->size(0) == D, "weight must have shape [D] = [", D, "], got ",
+                shape_str(*weight));
+    check_param_dtype(*weight, "weight", x.scalar_type(), "x");
+  }
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "eps must be a finite number >= 0, got ", eps);
+  return NormSizes{D == 0 ? 0 : x.numel() / D, D};
+}
+
+void check_gated_rmsnorm_grads(const at::Tensor& x, const NormSizes& s, const at::Tensor& dy,
+                               const at::Tensor& rstd) {
+  check_device_as(x, "x", dy, "dy");
+  check_device_as(x, "x", rstd, "rstd");
+  TORCH_CHECK(dy.sizes() == x.sizes(), "dy must have the shape of x ", shape_str(x), ", got ", shape_str(dy));
+  const at::ScalarType acc = acc_dtype(x.scalar_type());
+  TORCH_CHECK(rstd.numel() == s.rows && rstd.scalar_type() == acc, "rstd must be a ", acc, " tensor of ", s.rows,
+              " elements (one per row of x), got ", rstd.scalar_type(), " ", shape_str(rstd));
+}
+
+DecodeSizes check_decode_step_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& a,
+                                   const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias,
+                                   const at::Tensor& state, double scale) {
+  const QKVSizes s = check_qkv(q, k, v);
+  check_device_as(q, "q", a, "a");
+  check_device_as(q, "q", b, "b");
+  check_token_scalar(a, "a", s);
+  check_token_scalar(b, "b", s);
+  check_head_param(q, A_log, "A_log", s.HV);
+  check_head_param(q, dt_bias, "dt_bias", s.HV);
+  check_state(q, state, "state", "[B, HV, K, V]", s, s.B);
+  TORCH_CHECK(state.is_contiguous(), "state must be contiguous (it is updated in place), got strides ",
+              state.strides());
+  TORCH_CHECK(std::isfinite(scale), "scale must be a finite number, got ", scale);
+  return DecodeSizes{s.B, s.T, s.H, s.HV, s.K, s.V};
+}
+
+}  // namespace gated_delta

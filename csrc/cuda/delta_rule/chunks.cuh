@@ -1,0 +1,102 @@
+// Where a kernel of the gated delta rule finds its work: the tokens of a chunk, the chunks of a work unit of the
+// sequential state kernels, and the state tile such a pass starts from and leaves.
+#pragma once
+
+#include <stdint.h>
+
+#include "params.h"
+
+namespace gated_delta {
+namespace cuda {
+
+// ---- chunks and units ----
+struct ChunkInfo { int64_t bos; int len; };
+// Chunk c's first token and length; n: its sequence when the caller knows it (the sequential kernels walk the
+// chunks of one unit), else -1 (then an equal-length batch divides by the chunks per sequence).
+__device__ __forceinline__ ChunkInfo chunk_info(const Params& p, int c, int n = -1) {
+  ChunkInfo ci;
+  if (p.chunk_tok != nullptr) {
+    ci.bos = p.chunk_tok[c];
+    ci.len = p.chunk_len[c];
+  } else {
+    if (n < 0) n = c / p.CPS;
+    const int i = c - n * p.CPS;
+    ci.bos = static_cast<int64_t>(n) * p.T + static_cast<int64_t>(i) * C;
+    ci.len = min(C, p.T - i * C);
+  }
+  // defensive clamps: never index outside [0, BT)
+  ci.bos = ci.bos < 0 ? 0 : (ci.bos > p.BT ? p.BT : ci.bos);
+  const int64_t room = p.BT - ci.bos;
+  ci.len = max(0, min(ci.len, static_cast<int>(room < C ? room : C)));
+  return ci;
+}
+struct Unit { int n, cb, ce; };
+__device__ __forceinline__ Unit get_unit(const Params& p, int u) {
+  Unit r;
+  if (p.unit_tab != nullptr) {
+    r.n = p.unit_tab[3 * u]; r.cb = p.unit_tab[3 * u + 1]; r.ce = p.unit_tab[3 * u + 2];
+  } else {
+    r.n = u / p.segs_per_seq;
+    const int s = u % p.segs_per_seq;
+    r.cb = r.n * p.CPS + s * p.seg;
+    r.ce = min(r.cb + p.seg, (r.n + 1) * p.CPS);
+  }
+  r.cb = max(0, min(r.cb, p.NC));
+  r.ce = max(r.cb, min(r.ce, p.NC));
+  return r;
+}
+
+// The tile a sequential pass starts from, in the fragment layout of store_state_tile below: for a unit's map
+// (to_map), tiles past the first V columns (homog) start from the identity and the others from zero; otherwise
+// init (by unit or by sequence) when given, else zero.
+template <int K, int KW, int TW>
+__device__ __forceinline__ void load_state_tile(const Params& p, float (&S)[KW / 8][4], bool to_map, bool homog, int u,
+                                                int n, int hv, int vt, int vr, int ks, int g8, int q) {
+  const float* init = nullptr;
+  if (!to_map && p.init != nullptr)
+    init = p.init + (static_cast<int64_t>(p.init_by_unit ? u : n) * p.HV + hv) * K * p.V;
+#pragma unroll
+  for (int nt = 0; nt < KW / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int vloc = vr * 16 + g8 + 8 * (e >> 1), k = ks * KW + 8 * nt + 2 * q + (e & 1);
+      float x = 0.f;
+      if (to_map) {
+        if (homog) x = (k == vt * TW + vloc - p.V) ? 1.f : 0.f;
+      } else if (init != nullptr) {
+        x = init[static_cast<int64_t>(k) * p.V + vt * TW + vloc];
+      }
+      S[nt][e] = x;
+    }
+}
+
+// Where a sequential pass leaves its K x TW state tile, held as S^T fragments (S[nt][e] = S^T[v][k] with
+// v = vr*16 + g8 + 8*(e>>1) inside the tile and k = ks*KW + 8*nt + 2q + (e&1)): into the unit's segment map
+// ([units, HV, V + K, K], one K-contiguous row per tile column) when to_map, else into fin ([N, HV, K, V]) when the
+// pass was asked for it.
+template <int K, int KW, int TW>
+__device__ __forceinline__ void store_state_tile(const Params& p, const float (&S)[KW / 8][4], bool to_map, int u,
+                                                 int n, int hv, int vt, int vr, int ks, int g8, int q) {
+  float* dst = nullptr;
+  int64_t rstride = 0, cstride = 0;  // element (v, k) at dst[v * rstride + k * cstride]
+  if (to_map) {
+    dst = p.segmap + (static_cast<int64_t>(u) * p.HV + hv) * (p.V + K) * K + static_cast<int64_t>(vt) * TW * K;
+    rstride = K;
+    cstride = 1;
+  } else if (p.fin != nullptr) {
+    dst = p.fin + (static_cast<int64_t>(n) * p.HV + hv) * K * p.V + vt * TW;
+    rstride = 1;
+    cstride = p.V;
+  }
+  if (dst == nullptr) return;
+#pragma unroll
+  for (int nt = 0; nt < KW / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int vloc = vr * 16 + g8 + 8 * (e >> 1), k = ks * KW + 8 * nt + 2 * q + (e & 1);
+      dst[vloc * rstride + k * cstride] = S[nt][e];
+    }
+}
+
+}  // namespace cuda
+}  // namespace gated_delta

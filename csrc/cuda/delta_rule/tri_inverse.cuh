@@ -1,0 +1,102 @@
+// The inverse of the unit lower-triangular (I + M) of a chunk (the WY representation's Tm), on tensor cores.
+#pragma once
+
+#include "mma.cuh"
+#include "params.h"
+
+namespace gated_delta {
+namespace cuda {
+
+// ---- (I + M)^-1 for a strictly lower-triangular 64 x 64 fp32 M in shared memory (ld 65), 128 threads ----
+// Diagonal 16 x 16 blocks by forward substitution (one column per thread), then two merge levels on tensor cores
+// in split bf16x3 (about fp32 accuracy):  [[A, 0], [C, B]]^-1 = [[A^-1, 0], [-B^-1 C A^-1, B^-1]]
+// (16 -> 32 for the two diagonal 32-blocks, then 32 -> 64). Result in Tf (ld 65); Pf: kInvScratch floats.
+constexpr int kInvScratch = 32 * 33;
+__device__ __forceinline__ void block_inverse(const float* Mf, float* Tf, float* Pf, int tid) {
+  constexpr int LD = C + 1;
+  const int warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
+  for (int e = tid; e < C * C; e += 128) {
+    const int i = e >> 6, j = e & 63;
+    if ((i >> 4) < (j >> 4)) Tf[i * LD + j] = 0.f;
+  }
+  if (tid < 64) {
+    const int b = tid >> 4, col = tid & 15, o = 16 * b;
+    float x[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float acc = (i == col) ? 1.f : 0.f;
+#pragma unroll
+      for (int j = 0; j < i; ++j) acc -= Mf[(o + i) * LD + o + j] * x[j];
+      x[i] = acc;
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) Tf[(o + i) * LD + o + col] = x[i];
+  }
+  __syncthreads();
+  if (warp < 2) {  // 16 -> 32: rows r1 = r0 + 16 against columns r0 of the diagonal 32-block r0
+    const int r0 = 32 * warp, r1 = r0 + 16;
+    float* Pw = Pf + warp * (16 * 17);
+    float acc[2][4];
+    zero_acc(acc);
+    {
+      const FragA<float> a = lda<float>(Mf, LD, r1, r0);
+      FragB<float> b[2];
+      ldb_t<float>(b, Tf, LD, r0, r0);
+      mma<float>(acc[0], a, b[0]);
+      mma<float>(acc[1], a, b[1]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) Pw[(g8 + 8 * (e >> 1)) * 17 + 8 * nt + 2 * q + (e & 1)] = acc[nt][e];
+    __syncwarp();
+    zero_acc(acc);
+    {
+      const FragA<float> a = lda<float>(Tf, LD, r1, r1);
+      FragB<float> b[2];
+      ldb_t<float>(b, Pw, 17, 0, 0);
+      mma<float>(acc[0], a, b[0]);
+      mma<float>(acc[1], a, b[1]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) Tf[(r1 + g8 + 8 * (e >> 1)) * LD + r0 + 8 * nt + 2 * q + (e & 1)] = -acc[nt][e];
+  }
+  __syncthreads();
+  // 32 -> 64: P = M[32:, :32] A^-1, then X = -B^-1 P; warp w owns the 16 x 16 block (mt = w / 2, nh = w % 2)
+  const int mt = warp >> 1, nh = warp & 1;
+  float acc[2][4];
+  zero_acc(acc);
+#pragma unroll
+  for (int kt = 0; kt < 2; ++kt) {
+    const FragA<float> a = lda<float>(Mf, LD, 32 + 16 * mt, 16 * kt);
+    FragB<float> b[2];
+    ldb_t<float>(b, Tf, LD, 16 * kt, 16 * nh);
+    mma<float>(acc[0], a, b[0]);
+    mma<float>(acc[1], a, b[1]);
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) Pf[(16 * mt + g8 + 8 * (e >> 1)) * 33 + 16 * nh + 8 * nt + 2 * q + (e & 1)] = acc[nt][e];
+  __syncthreads();
+  zero_acc(acc);
+#pragma unroll
+  for (int kt = 0; kt < 2; ++kt) {
+    const FragA<float> a = lda<float>(Tf, LD, 32 + 16 * mt, 32 + 16 * kt);
+    FragB<float> b[2];
+    ldb_t<float>(b, Pf, 33, 16 * kt, 16 * nh);
+    mma<float>(acc[0], a, b[0]);
+    mma<float>(acc[1], a, b[1]);
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      Tf[(32 + 16 * mt + g8 + 8 * (e >> 1)) * LD + 16 * nh + 8 * nt + 2 * q + (e & 1)] = -acc[nt][e];
+  __syncthreads();
+}
+
+}  // namespace cuda
+}  // namespace gated_delta
