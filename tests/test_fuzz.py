@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from gated_delta import ALGORITHMS, gated_delta_rule
-from gated_delta.checklist.numerics import bitwise_repeat_mismatches
+from gated_delta.testing import bitwise_repeat_mismatches
 from gated_delta.reference import gated_delta_rule_ref
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

@@ -8,7 +8,6 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-import gated_delta
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 
@@ -153,21 +152,6 @@ def op_inputs(shape: Shape, dtype: torch.dtype, device: str, requires_grad: bool
         x = x.to(device=device, dtype=dtype if name in ("q", "k", "v") else state_dtype(dtype))
         out[name] = x.requires_grad_(requires_grad)
     return out
-
-
-def fwd_bwd(inputs: Dict[str, torch.Tensor], d_o: Optional[torch.Tensor] = None, **options):
-    """One forward and backward of the op; returns the output, final state (or None) and the gradient of every
-    input that requires one."""
-    for x in inputs.values():
-        if isinstance(x, torch.Tensor) and x.grad is not None:
-            x.grad = None
-    o, ht = gated_delta.gated_delta_rule(**inputs, **options)
-    loss_terms = [(o * (d_o if d_o is not None else torch.ones_like(o))).sum()]
-    if ht is not None:
-        loss_terms.append(ht.sum() * 1e-3)
-    torch.autograd.backward(loss_terms)
-    grads = {k: x.grad for k, x in inputs.items() if isinstance(x, torch.Tensor) and x.requires_grad}
-    return o, ht, grads
 
 
 def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:

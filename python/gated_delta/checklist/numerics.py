@@ -8,7 +8,8 @@ import gated_delta
 from gated_delta import ALGORITHMS
 from gated_delta.reference import gated_delta_rule_ref
 
-from .common import (FAIL, PASS, SKIP, Config, Result, Shape, fwd_bwd, md_table, op_inputs, relative_error,
+from ..testing import bitwise_equal, bitwise_repeat_mismatches, fwd_bwd
+from .common import (FAIL, PASS, SKIP, Config, Result, Shape, md_table, op_inputs, relative_error,
                      save_plot, state_dtype, torch_threads)
 
 # Largest relative error ||x - ref|| / ||ref|| accepted for the output and each gradient, by input dtype.
@@ -148,37 +149,6 @@ def check_grads(cfg: Config) -> Result:
     return Result("grads", status, summary, details)
 
 
-def bitwise_repeat_mismatches(make_inputs: Callable[[], Tuple[Dict[str, torch.Tensor], dict]],
-                              runs: int = 3) -> List[str]:
-    """Runs forward and backward `runs` times on fresh copies of the same inputs; returns the names of the
-    tensors (output, final state, gradients) that were not bitwise equal to the first run."""
-    first, mismatches = None, []
-    for _ in range(runs):
-        inputs, options = make_inputs()
-        gen = torch.Generator().manual_seed(7)
-        o, ht, grads = fwd_bwd(inputs, d_o=torch.randn(inputs["v"].shape, generator=gen).to(inputs["v"]),
-                               **options)
-        tensors = dict(o=o.detach(), final_state=ht.detach() if ht is not None else None,
-                       **{"d" + k: g for k, g in grads.items()})
-        if first is None:
-            first = tensors
-            continue
-        for name, x in tensors.items():
-            if name not in mismatches and not _bitwise_equal(x, first[name]):
-                mismatches.append(name)
-    return mismatches
-
-
-def _bitwise_equal(a, b) -> bool:
-    if a is None or b is None:
-        return a is b
-
-    def as_bytes(x):
-        return x.detach().clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8)
-
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(as_bytes(a), as_bytes(b))
-
-
 def check_determinism(cfg: Config) -> Result:
     if cfg.cuda:
         shape = Shape(B=1, T=1000 if cfg.quick else 4099, H=2, HV=4, K=128, V=128)
@@ -207,7 +177,7 @@ def check_determinism(cfg: Config) -> Result:
         n = torch.get_num_threads()
         one = _fwd_bwd_with_threads(1, make_fused)
         many = _fwd_bwd_with_threads(n, make_fused)
-        same = all(_bitwise_equal(one[k], many[k]) for k in one)
+        same = all(bitwise_equal(one[k], many[k]) for k in one)
         threads_note = f"; 1 vs {n} threads {'bitwise equal' if same else 'differ (not required)'}"
     status = FAIL if failures else PASS
     summary = (f"{checked} configurations x 3 runs ({', '.join(ALGORITHMS)}; plain and fused+packed), {shape}, "

@@ -4,7 +4,8 @@ import math
 
 import torch
 
-from .common import (FAIL, PASS, Config, Result, Shape, fastest_seconds, fmt_bytes, fmt_rate, fwd_bwd, is_oom,
+from ..testing import fwd_bwd
+from .common import (FAIL, PASS, Config, Result, Shape, fastest_seconds, fmt_bytes, fmt_rate, is_oom,
                      md_table, op_inputs, peak_memory_bytes, reset_peak_memory, rss_bytes, save_plot, torch_threads)
 
 TIME_PER_TOKEN_JUMP = 3.0  # the sequence-length sweep stops when time per token exceeds this times the best
