@@ -14,6 +14,7 @@ import statistics
 import torch
 
 import gated_delta as gd
+from gated_delta.testing import warm_up_for_capture
 
 try:
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fused_recurrent
@@ -59,12 +60,7 @@ def time_eager(fn, steps=50, reps=15, warmup=20):
 
 def time_graph(fn, steps=50, reps=15):
     """Median over reps of the time per step of a CUDA graph holding `steps` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
+    warm_up_for_capture(fn, 3)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(steps):

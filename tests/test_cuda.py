@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+from gated_delta.testing import warm_up_for_capture
+
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_helpers import make_inputs, reference, rel_err, run_ours  # noqa: E402
 
@@ -123,12 +125,7 @@ def test_cuda_graph_replay_matches_eager():
                                           "chunk", 64)
         return (o, ht) + tuple(grads[:6])
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
+    warm_up_for_capture(step, 2)
     eager = [x.clone() for x in step()]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -128,18 +128,18 @@ std::tuple<at::Tensor, at::Tensor> short_conv_fwd_cpu(const at::Tensor& x, const
   const int64_t B = sz.B, T = sz.T, D = sz.D, W = sz.W, N = sz.N;
   const at::Tensor xc = x.contiguous();
   const at::Tensor h0 = initial_state.has_value() ? initial_state->contiguous() : at::Tensor();
+  const auto seqs = sequences(B, T, cu_seqlens);
+  const auto blocks = token_blocks(seqs, kTokenBlock);
   const at::ScalarType acc = acc_dtype(x.scalar_type());
   at::Tensor z = at::empty({B, T, D}, x.options().dtype(acc));  // pre-activation, in the accumulation dtype
   at::Tensor final_state =
       output_final_state ? at::empty({N, D, W - 1}, x.options()) : at::empty({0}, x.options());
-  const auto seqs = sequences(B, T, cu_seqlens);
-  const auto blocks = token_blocks(seqs, kTokenBlock);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "short_conv_fwd_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const ConvOperands<scalar_t> ops(xc, h0, weight, bias, acc, T, D, W);
-    const SeqInput<scalar_t>& in = ops.in;
     acc_t* zp = z.data_ptr<acc_t>();
+    const SeqInput<scalar_t>& in = ops.in;
     ops.pre_activation(seqs, blocks, zp);
     if (output_final_state && W > 1) {
       scalar_t* fp = final_state.data_ptr<scalar_t>();

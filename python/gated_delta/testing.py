@@ -1,5 +1,6 @@
-"""Helpers shared by the test suite and the production checklist (gated_delta.checklist): one forward and
-backward of the op, and the bitwise comparison of repeated runs."""
+"""Helpers shared by the test suite, the benchmarks and the production checklist (gated_delta.checklist): one
+forward and backward of the op, the bitwise comparison of repeated runs, and the warm-up before a CUDA graph
+capture."""
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -52,3 +53,14 @@ def bitwise_equal(a, b) -> bool:
         return x.detach().clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8)
 
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(as_bytes(a), as_bytes(b))
+
+
+def warm_up_for_capture(fn: Callable[[], object], iters: int) -> None:
+    """Runs fn iters times on a side stream, then joins it to the current one: the warm-up a CUDA graph capture
+    of fn needs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(iters):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
