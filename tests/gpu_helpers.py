@@ -1,7 +1,8 @@
 """Shared helpers of the GPU tests and benchmark: input generation, float64 references, relative errors.
 
 Run as a script for a small forward + backward on the GPU (used under compute-sanitizer):
-    compute-sanitizer --tool memcheck python tests/gpu_helpers.py
+    compute-sanitizer --tool memcheck python tests/gpu_helpers.py [small | segments]
+("segments": one tiny shape on the segments of algorithm="auto", a proven head and one that falls back)
 """
 import sys
 
@@ -102,6 +103,18 @@ def run_ours(inputs, d_o=None, d_ht=None, algorithm="chunk", grads=True, **extra
     return res
 
 
+def _sanitize_segments():
+    """1 x 1100 tokens (18 chunks: segments of 8 chunks, the last one of 2), two value heads: the first with
+    decaying gates (proven warm-ups), the second with g = 0 (the exact fallback)."""
+    inp = make_inputs(1, 1100, 1, 2, 64, 64, torch.bfloat16)
+    inp["g"][..., 1] = 0.0
+    d_o = torch.randn(1, 1100, 2, 64, device="cuda").to(torch.bfloat16)
+    d_ht = torch.randn(1, 2, 64, 64, device="cuda")
+    r = run_ours(inp, d_o, d_ht, algorithm="auto")
+    torch.cuda.synchronize()
+    print("segments ok", all(torch.isfinite(x).all().item() for x in r.values()))
+
+
 def _sanitize_main(small=False):
     """A small forward + backward touching every kernel family (chunk and scan, varlen, K = 256, and enough chunks
     x q/k heads, 33 x 8, for the preparation to walk two value heads per CTA on a 132-SM GPU)."""
@@ -122,4 +135,6 @@ def _sanitize_main(small=False):
 
 
 if __name__ == "__main__":
+    if "segments" in sys.argv[1:]:
+        sys.exit(_sanitize_segments())
     sys.exit(_sanitize_main(small="small" in sys.argv[1:]))
