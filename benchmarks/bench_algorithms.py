@@ -23,14 +23,21 @@ from gpu_helpers import rel_err  # noqa: E402
 ALGOS = ("chunk", "scan", "auto")
 
 
-def device_ms(fn):
+def device_ms(fn, by_kernel=None):
+    """The summed kernel time of one call (ms); by_kernel, when given, receives the time per kernel name."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA) / 1000.0
+    tot = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name.split("<")[0].replace("void ", "").replace("gated_delta::cuda::", "")
+            tot[name] = tot.get(name, 0.0) + e.device_time_total / 1000.0
+    if by_kernel is not None:
+        by_kernel.update(tot)
+    return sum(tot.values())
 
 
 def main():
@@ -60,11 +67,15 @@ def main():
                     x.grad = None
                 f(*xs).backward(do)
 
+            kf, kfb = {}, {}
             with torch.no_grad():
                 t_f = time_fn(f, fsets, args.reps)
-                d_f = device_ms(lambda: f(*fsets[0]))
+                d_f = device_ms(lambda: f(*fsets[0]), kf)
             t_fb = time_fn(fb, bsets, args.reps)
-            d_fb = device_ms(lambda: fb(*bsets[0]))
+            d_fb = device_ms(lambda: fb(*bsets[0]), kfb)
+            for what, kt in (("fwd", kf), ("fwd+bwd", kfb)):
+                print(f"  {B}x{T} {H}/{HV} {algo} {what} kernels: "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in sorted(kt.items(), key=lambda kv: -kv[1])))
             xs, do = bsets[0]
             fb(xs, do)
             with torch.no_grad():

@@ -39,6 +39,14 @@ def _no_decay(inp, heads=None, tokens=None):
     return inp
 
 
+def _no_decay_batch1(inp):
+    """g = 0 in the second sequence of an equal-length batch (its segments fall back, the first's do not)."""
+    g = inp["g"].clone()
+    g[1] = 0.0
+    inp["g"] = g
+    return inp
+
+
 def _big_keys(inp):
     """|k| = 1.3 and beta in [1.2, 2]: beta |k|^2 > 2 on every token, so no warm-up is proven (the dynamics stay
     stable: the decay outweighs the stretch along one random direction per token)."""
@@ -57,23 +65,27 @@ def _long_keys(inp):
     return inp
 
 
-# name: (B, T, H, HV, K, V, initial state, cu_seqlens, input transform)
+# name: (B, T, H, HV, K, V, initial state, cu_seqlens, input transform, in-kernel options)
 CASES = {
     # 33 chunks (the last one partial): segments 0..3 of 8 chunks and a last one of 1
-    "proven": (1, 2100, 1, 2, 64, 64, True, None, None),
-    "proven_K128": (1, 2100, 1, 2, 128, 128, True, None, None),
-    "proven_gqa_K256_V64": (1, 1500, 1, 2, 256, 64, True, None, None),
-    "proven_K64_V256": (1, 1100, 1, 1, 64, 256, False, None, None),
-    "no_decay": (1, 2100, 1, 2, 64, 64, True, None, _no_decay),
-    "mixed_heads": (1, 2100, 2, 4, 64, 64, True, None, lambda x: _no_decay(x, heads=[1, 2])),
+    "proven": (1, 2100, 1, 2, 64, 64, True, None, None, False),
+    "proven_K128": (1, 2100, 1, 2, 128, 128, True, None, None, False),
+    "proven_gqa_K256_V64": (1, 1500, 1, 2, 256, 64, True, None, None, False),
+    "proven_K64_V256": (1, 1100, 1, 1, 64, 256, False, None, None, False),
+    "no_decay": (1, 2100, 1, 2, 64, 64, True, None, _no_decay, False),
+    "mixed_heads": (1, 2100, 2, 4, 64, 64, True, None, lambda x: _no_decay(x, heads=[1, 2]), False),
     # a stretch without decay in the middle: the segments right after it fall back, the heads' others not
-    "no_decay_window": (1, 2100, 1, 2, 64, 64, True, None, lambda x: _no_decay(x, tokens=slice(700, 1500))),
-    "big_keys": (1, 2100, 1, 2, 64, 64, True, None, _big_keys),
-    "long_keys": (1, 2100, 1, 2, 64, 64, True, None, _long_keys),
+    "no_decay_window": (1, 2100, 1, 2, 64, 64, True, None, lambda x: _no_decay(x, tokens=slice(700, 1500)), False),
+    "big_keys": (1, 2100, 1, 2, 64, 64, True, None, _big_keys, False),
+    "long_keys": (1, 2100, 1, 2, 64, 64, True, None, _long_keys, False),
+    # an equal-length batch: segments of two sequences, the second without decay
+    "batch2": (2, 1700, 1, 2, 64, 64, True, None, _no_decay_batch1, False),
+    # in-kernel q/k L2 norm, beta sigmoid with negative eigenvalues (beta in (0, 2)), gate from A_log / dt_bias
+    "options": (1, 2100, 2, 4, 64, 64, True, None, None, True),
     # long and short sequences (shorter than a segment, one empty), one of them without decay
-    "varlen": (1, 4200, 1, 2, 64, 64, True, [0, 100, 100, 2700, 2760, 4200], None),
+    "varlen": (1, 4200, 1, 2, 64, 64, True, [0, 100, 100, 2700, 2760, 4200], None, False),
     "varlen_no_decay": (1, 4200, 1, 2, 64, 64, True, [0, 100, 100, 2700, 2760, 4200],
-                        lambda x: _no_decay(x, tokens=slice(100, 2700))),
+                        lambda x: _no_decay(x, tokens=slice(100, 2700)), False),
 }
 
 _REF = {}
@@ -82,8 +94,9 @@ _REF = {}
 def _case(name, dtype):
     key = (name, dtype)
     if key not in _REF:
-        B, T, H, HV, K, V, h0, cu, tf = CASES[name]
-        inp = make_inputs(B, T, H, HV, K, V, dtype, h0=h0, cu_seqlens=cu, seed=100 + list(CASES).index(name))
+        B, T, H, HV, K, V, h0, cu, tf, opts = CASES[name]
+        inp = make_inputs(B, T, H, HV, K, V, dtype, h0=h0, cu_seqlens=cu, options=opts,
+                          seed=100 + list(CASES).index(name))
         if tf is not None:
             inp = tf(inp)
         N = B if cu is None else len(cu) - 1
