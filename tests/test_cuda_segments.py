@@ -5,7 +5,7 @@ With B x HV x V / 64 small, a sequence of 16 or more chunks is cut into segments
 chunks; on an H200 (132 SMs) the shapes below get segments of 8 chunks (512 tokens) and warm-ups of at most 16.
 Typical gates (g = logsigmoid(N(0, 1) + 3), about -4.5 per chunk) prove a start after about 6 chunks; g = 0 proves
 nothing, so those segments fall back to the exact sequential pass; so do keys with beta |k|^2 > 2 everywhere.
-Everything is compared with the float64 token loop at the tolerances of test_cuda.py.
+Everything is compared with the float64 token loop at the tolerances of the other GPU tests (gpu_helpers.TOL).
 """
 import os
 import sys
@@ -15,19 +15,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_helpers import make_inputs, reference, rel_err, run_ours  # noqa: E402
+from gpu_helpers import TOL, check_graph_replay, make_inputs, reference, rel_err, run_ours  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-TOL = {
-    torch.bfloat16: (5e-3, 1e-2),
-    torch.float16: (2.5e-3, 5e-3),
-    torch.float32: (1e-3, 1e-3),
-}
-
 
 def _no_decay(inp, heads=None, tokens=None):
     """g = 0 (no decay) on the given value heads (all by default) and tokens (all by default)."""
@@ -164,28 +157,4 @@ def test_segments_deterministic():
 
 def test_segments_graph_replay_matches_eager():
     inp, d_o, d_ht, _ = _case("mixed_heads", torch.bfloat16)
-    K = inp["q"].shape[-1]
-    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], K ** -0.5, inp["initial_state"])
-    rest = (None, None, False, False, False, False, None, None, "auto", 64)
-
-    def step():
-        o, ht = torch.ops.gated_delta.fwd(*args, True, *rest)
-        grads = torch.ops.gated_delta.bwd(d_o, d_ht, *args, *rest)
-        return (o, ht) + tuple(grads[:6])
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    eager = [x.clone() for x in step()]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
-    for x in static:
-        x.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(eager, static):
-        assert torch.equal(a, b)
+    check_graph_replay(inp, d_o, d_ht, "auto")
