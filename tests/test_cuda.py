@@ -8,22 +8,13 @@ import sys
 import pytest
 import torch
 
-from gated_delta.testing import warm_up_for_capture
-
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_helpers import make_inputs, reference, rel_err, run_ours  # noqa: E402
+from gpu_helpers import TOL, check_graph_replay, make_inputs, reference, rel_err, run_ours  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-# (relative L2 error) tolerances: outputs / final state, gradients
-TOL = {
-    torch.bfloat16: (5e-3, 1e-2),
-    torch.float16: (2.5e-3, 5e-3),
-    torch.float32: (1e-3, 1e-3),
-}
 
 # B, T, H, HV, K, V, initial state, cu_seqlens, in-kernel options
 CASES = {
@@ -116,26 +107,7 @@ def test_cuda_graph_replay_matches_eager():
     inp = make_inputs(B, T, H, HV, K, V, torch.bfloat16)
     d_o = torch.randn(B, T, HV, V, device="cuda").to(torch.bfloat16)
     d_ht = torch.randn(B, HV, K, V, device="cuda")
-    args = lambda: (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], K ** -0.5, inp["initial_state"])  # noqa
-    rest_f = (True, None, None, False, False, False, False, None, None, "chunk", 64)
-
-    def step():
-        o, ht = torch.ops.gated_delta.fwd(*args(), *rest_f)
-        grads = torch.ops.gated_delta.bwd(d_o, d_ht, *args(), None, None, False, False, False, False, None, None,
-                                          "chunk", 64)
-        return (o, ht) + tuple(grads[:6])
-
-    warm_up_for_capture(step, 2)
-    eager = [x.clone() for x in step()]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
-    for x in static:
-        x.fill_(float("nan")) if x.is_floating_point() else None
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(eager, static):
-        assert torch.equal(a, b)
+    check_graph_replay(inp, d_o, d_ht, "chunk")
 
 
 @pytest.mark.parametrize("K,V", [(32, 64), (64, 96), (512, 64)])

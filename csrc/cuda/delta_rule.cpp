@@ -54,6 +54,8 @@ int num_sms(const at::Tensor& x) {
 // Chunks, work units and (varlen) their device tables.
 struct Layout {
   bool scan = false;
+  bool warm = false;  // segments with a proven warm-up (warmup.cuh)
+  int warm_max = 0;
   int N = 0, NC = 0, CPS = 0;
   int num_units = 0, seg = 1, segs_per_seq = 1;
   at::Tensor table;  // device int32: chunk_tok | chunk_len | unit_tab | unit_off
@@ -69,11 +71,17 @@ Layout make_layout(const CoreArgs& a) {
   const int64_t units_per_head = a.head_v() / 64;
   const int sms = num_sms(a.q);
   const int64_t lanes = a.num_v_heads() * units_per_head;  // CTAs of the state kernels per work unit
-  auto want_scan = [&](int64_t n_seqs, int64_t max_chunks) {
-    if (a.algorithm == Algorithm::Scan) return true;
-    if (a.algorithm != Algorithm::Auto) return false;  // chunk; recurrent runs the chunk kernels on CUDA
-    return n_seqs * lanes * 4 <= sms && max_chunks >= 32;
+  // Auto: when one CTA per (sequence, value head, 64 columns) would keep fewer than half of the SMs busy, cut the
+  // sequences into segments run at once after a proven warm-up (warmup.cuh); the scan only when asked for;
+  // chunk (and recurrent, which runs the chunk kernels on CUDA) walk each sequence whole
+  constexpr int kMinSegment = 8;  // chunks: a warm-up takes about 6 at typical gates
+  auto want_scan = [&](int64_t, int64_t) { return a.algorithm == Algorithm::Scan; };
+  auto want_warm = [&](int64_t n_seqs, int64_t max_chunks) {
+    return a.algorithm == Algorithm::Auto && n_seqs * lanes * 2 <= sms && max_chunks >= 2 * kMinSegment;
   };
+  // the longest warm-up: as long as the segment (so a segment costs at most twice its chunks), and at least 16
+  // chunks (1024 tokens); past it the exact fallback runs
+  auto warm_cap = [&](int seg) { return std::max(seg, 16); };
   // units per sequence for the scan: about two waves of the state kernels over the whole batch
   auto scan_seg = [&](int64_t n_seqs, int64_t total_chunks) {
     const int64_t target = std::max<int64_t>(1, (2 * sms + lanes - 1) / lanes);
@@ -85,10 +93,18 @@ Layout make_layout(const CoreArgs& a) {
     L.CPS = static_cast<int>((T + kC - 1) / kC);
     L.NC = L.N * L.CPS;
     L.scan = want_scan(L.N, L.CPS);
+    L.warm = !L.scan && want_warm(L.N, L.CPS);
     if (L.scan) {
       const int seg = scan_seg(L.N, L.NC);
       L.seg = std::max(1, std::min(seg, L.CPS));
       L.segs_per_seq = (L.CPS + L.seg - 1) / L.seg;
+    } else if (L.warm) {
+      // one wave: segments per sequence so that all CTAs fit on the SMs at once
+      const int64_t segs = std::max<int64_t>(1, sms / (L.N * lanes));
+      L.seg = static_cast<int>(std::max<int64_t>(kMinSegment, (L.CPS + segs - 1) / segs));
+      L.seg = std::min(L.seg, L.CPS);
+      L.segs_per_seq = (L.CPS + L.seg - 1) / L.seg;
+      L.warm_max = warm_cap(L.seg);
     } else {
       L.seg = std::max(1, L.CPS);
       L.segs_per_seq = 1;
@@ -115,7 +131,11 @@ Layout make_layout(const CoreArgs& a) {
   }
   L.NC = static_cast<int>(total);
   L.scan = want_scan(L.N, mx);
-  L.seg = L.scan ? scan_seg(L.N, total) : std::max<int64_t>(1, mx);
+  L.warm = !L.scan && want_warm(L.N, mx);
+  if (L.scan) L.seg = scan_seg(L.N, total);
+  else if (L.warm) L.seg = static_cast<int>(std::max<int64_t>(kMinSegment, (total * lanes + sms - 1) / sms));
+  else L.seg = static_cast<int>(std::max<int64_t>(1, mx));
+  if (L.warm) L.warm_max = warm_cap(L.seg);
   std::vector<int> tok, len, units, uoff;
   tok.reserve(L.NC);
   len.reserve(L.NC);
@@ -126,7 +146,12 @@ Layout make_layout(const CoreArgs& a) {
       tok.push_back(static_cast<int>(cu[n] + int64_t(i) * kC));
       len.push_back(static_cast<int>(std::min<int64_t>(kC, cu[n + 1] - cu[n] - int64_t(i) * kC)));
     }
-    if (L.scan) {
+    if (L.scan || L.warm) {
+      if (L.warm && nch[n] == 0) {  // an empty sequence keeps its unit: it passes the initial state on
+        units.push_back(n);
+        units.push_back(c0);
+        units.push_back(c0);
+      }
       for (int s = 0; s < nch[n]; s += L.seg) {
         units.push_back(n);
         units.push_back(c0 + s);
@@ -179,6 +204,7 @@ Params base_params(const CoreArgs& a, const Layout& L) {
   p.num_units = L.num_units;
   p.seg = L.seg;
   p.segs_per_seq = L.segs_per_seq;
+  p.warm_max = L.warm_max;
   // 32-column state tiles when 64-column ones would leave most multiprocessors idle in the sequential kernels:
   // doubling the CTAs sped up the backward's state passes, doubling again slowed the reverse pass, so only below
   // half the SM count (benchmarks/RESULTS.md, "CUDA design measurements")
@@ -242,6 +268,22 @@ struct Prepared {
   at::Tensor W, U, A, gam, Tm;
 };
 
+// Scratch of the segments with a warm-up: the per-chunk log norm bounds (written by the preparation) and the
+// per-segment proof flags; undefined otherwise.
+struct WarmScratch {
+  at::Tensor lnorm, seg_ok;
+};
+
+WarmScratch warm_scratch(Call& c) {
+  WarmScratch s;
+  if (!c.L.warm) return s;
+  s.lnorm = at::empty({c.L.NC, c.p.HV}, c.fopts);
+  s.seg_ok = at::empty({c.L.num_units, c.p.HV}, c.opts.dtype(at::kInt));
+  c.p.lnorm = s.lnorm.data_ptr<float>();
+  c.p.seg_ok = s.seg_ok.data_ptr<int>();
+  return s;
+}
+
 Prepared run_prep(Call& c, bool with_tm) {
   const int64_t NC = c.L.NC, HV = c.p.HV;
   Prepared r;
@@ -279,13 +321,25 @@ ScanScratch scan_scratch(Call& c) {
 // One sequential pass over the chunks, forward (state_fwd, mode 0: output, 1: states for the backward) or reverse
 // (state_rev, mode 0), from init (by sequence; null: zero) to fin (by sequence; null: not stored). With the scan
 // the units first compute their maps, the combine kernel composes them (writing fin) and the pass runs again from
-// each unit's entering state.
+// each unit's entering state. With segments and warm-ups the pass runs once, then once more for the exact
+// fallback (CTAs that exit at once where every segment was proven).
 void run_state_pass(Call& c, bool reverse, int mode, const float* init, float* fin) {
   Params& p = c.p;
   auto launch = [&](int m) {
     if (reverse) cuda::launch_state_rev(p, c.dt, m, c.stream);
     else cuda::launch_state_fwd(p, c.dt, m, c.stream);
   };
+  if (c.L.warm) {
+    p.init = init;
+    p.init_by_unit = 0;
+    p.fin = fin;
+    p.warm = 1;
+    launch(mode);
+    p.warm = 2;
+    launch(mode);
+    p.warm = 0;
+    return;
+  }
   if (!c.L.scan) {
     p.init = init;
     p.init_by_unit = 0;
@@ -311,6 +365,7 @@ void run_state_pass(Call& c, bool reverse, int mode, const float* init, float* f
 CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
   c10::cuda::CUDAGuard guard(a.q.device());
   Call c = begin_call(a);
+  const WarmScratch warm = warm_scratch(c);
   const Prepared prep = run_prep(c, /*with_tm=*/false);
   at::Tensor o = at::empty(c.in.v.sizes(), c.in.v.options());
   at::Tensor ht;
@@ -334,6 +389,7 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   at::Tensor dht;
   if (d_final_state.defined()) dht = dense(d_final_state.to(at::kFloat));
   p.d_o = dO.data_ptr();
+  const WarmScratch warm = warm_scratch(c);
   Prepared prep = run_prep(c, /*with_tm=*/true);
   ScanScratch scratch = scan_scratch(c);
 

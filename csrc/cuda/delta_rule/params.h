@@ -13,6 +13,8 @@
 //   dgam1  [K / 64, NC, HV, C] fp32 partial gradients of gam (one slab per 64-wide block of K)
 //   states [N or units, HV, K, V] fp32 (initial / final / segment start states)
 //   segmap [units, HV, V + K, K] fp32: rows 0..V-1 hold B^T, rows V.. hold the linear part of a segment's map
+//   lnorm  [NC, HV] fp32       log of a bound on each chunk's transition norm (warmup.cuh)
+//   seg_ok [units, HV] int32   1 where a segment's start was proven (warmup.cuh)
 #pragma once
 
 #include <cstdint>
@@ -72,6 +74,12 @@ struct Params {
   float* fin;
   float* segmap;
   float* segstate;  // combine kernel output: the state entering (fwd) / the gradient leaving (rev) each unit
+
+  // segments with a proven warm-up (warmup.cuh): warm 0 off, 1 the segments, 2 the exact fallback
+  int warm;
+  int warm_max;  // longest warm-up, in chunks
+  float* lnorm;  // written by the preparation when non-null
+  int* seg_ok;
 
   // outputs
   void* o;

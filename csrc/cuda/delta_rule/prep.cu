@@ -3,7 +3,8 @@
 //   W = Tm diag(beta e^gam) K,   U = Tm diag(beta) V,   A = lower(q_i.k_j e^{gam_i - gam_j})   (incl. diagonal)
 // K K^T and Q K^T are the same for every value head of a group: a CTA computes them once, keeps them in registers
 // and walks its value heads. KK^T and QK^T, W and U run on tensor cores (fp32 accumulation); the inverse is fp32
-// (blockwise, 16 x 16 blocks).
+// (blockwise, 16 x 16 blocks). When p.lnorm is set it also writes, per chunk and value head, the log of a bound on the
+// chunk's transition norm, sum_t (g_t + log max(1, |1 - b_t |k_t|^2| + 2^-15 |b_t |k_t|^2|)) (warmup.cuh).
 // Mirrored kernel staging: its tile loads and per-head loops follow the same pattern as the other chunk-parallel
 // kernels (prep.cu, grad_qk.cu, grad_wy.cu), each written out so that its pipeline is tuned on its own.
 #include "../dispatch.cuh"
@@ -19,8 +20,9 @@ template <class St, int K>
 struct PrepSmem {
   static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD;
   static constexpr int R1 = (C * LDK > 2 * C * LDC) ? C * LDK : 2 * C * LDC;  // Q, later Tm diag(.) tiles
-  // fp32 region: Mf, Tf (the V tile reuses it once the inverse is done), inverse scratch, gam, beta, beta e^gam
-  static constexpr size_t bytes = sizeof(St) * (size_t)(C * LDK + R1) + sizeof(float) * (2 * C * (C + 1) + kInvScratch + 3 * C);
+  // fp32 region: Mf, Tf (the V tile reuses it once the inverse is done), inverse scratch, gam, beta, beta e^gam,
+  // |k|^2
+  static constexpr size_t bytes = sizeof(St) * (size_t)(C * LDK + R1) + sizeof(float) * (2 * C * (C + 1) + kInvScratch + 4 * C);
   static_assert(sizeof(St) * C * LDC <= sizeof(float) * 2 * C * (C + 1), "V tile must fit over Mf and Tf");
   // K K^T and Q K^T stay in registers across the value heads (64 per thread): three CTAs per SM still fit for
   // 16-bit inputs at K <= 128 (shared memory allows three there)
@@ -41,6 +43,7 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
   float* gam = Pf + kInvScratch;
   float* bet = gam + C;
   float* beg = bet + C;
+  float* kn = beg + C;
 
   // a linear grid with the head blocks of a chunk adjacent (they share K and Q, which then come from L2)
   const int blocks = p.HV / p.prep_heads;
@@ -67,6 +70,18 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
   // K K^T and Q K^T: each warp 16 rows x 64 columns
   cp_async_wait<0>();
   __syncthreads();
+  if (p.lnorm != nullptr) {
+    // |k_i|^2 in fp32, two threads per row (padded rows are zero)
+    const int r = tid >> 1, j0 = (tid & 1) * (K / 2);
+    float s = 0.f;
+#pragma unroll 8
+    for (int j = j0; j < j0 + K / 2; ++j) {
+      const float x = to_f<St>(Ks[r * LDK + j]);
+      s = fmaf(x, x, s);
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    if ((tid & 1) == 0) kn[r] = s;
+  }
   float kk[8][4], qk[8][4];
   zero_acc(kk);
   zero_acc(qk);
@@ -103,6 +118,19 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
     }
     // gates visible; the previous head's products are done with Q (first head) or with V and Tm (later heads)
     __syncthreads();
+    if (p.lnorm != nullptr && warp == 0) {
+      // the per-token factor max(1, |1 - m| + 2^-15 |m|) bounds |1 - b |k|^2| (m: b |k|^2 with its fp32 rounding)
+      float pen = 0.f;
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const float m = bet[i0 + t] * kn[i0 + t];
+        const float nb = fabsf(1.f - m) + fabsf(m) * 0x1p-15f;
+        if (nb > 1.f) pen += logf(nb);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) pen += __shfl_xor_sync(0xffffffffu, pen, o);
+      if (lane == 0) p.lnorm[chv] = gam[C - 1] + pen;
+    }
 
     St* Ag = static_cast<St*>(p.A) + chv * C * C;
 #pragma unroll

@@ -10,7 +10,8 @@
 // Warps: one per 16 columns of the tile; K = 256 (and K = 128 in the forward's 32-column tiles) splits K over two
 // warps, whose partial products over K are summed through shared memory in a fixed order (in mode 0 each warp of
 // the pair then finishes O^T for half of the chunk's tokens). The next chunk's tiles are prefetched with cp.async
-// (2 stages where they fit).
+// (2 stages where they fit). With Params::warm the CTA runs one segment of a sequence after a proven warm-up
+// (warmup.cuh): the warm-up chunks store nothing.
 // Mirrored kernel staging: the shared-memory stages, the cp.async prefetch of the next chunk and the walk over a
 // unit's chunks are written out here and again in state_rev.cuh (which walks the chunks backwards), and the
 // products over the same tiles repeat within each kernel, so that each pass's pipeline is tuned on its own.
@@ -20,6 +21,7 @@
 #include "chunks.cuh"
 #include "mma.cuh"
 #include "tile_load.cuh"
+#include "warmup.cuh"
 
 namespace gated_delta {
 namespace cuda {
@@ -54,6 +56,8 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
   const int vr = warp % NVR, ks = warp / NVR;
   const Unit un = get_unit(p, u);
+  Run run;
+  if (!plan_run<false>(p, u, un, hv, vt, run)) return;
   const bool homog = (MODE == 2) && (vt * TW >= p.V);
   const int64_t HK = static_cast<int64_t>(p.H) * K;
 
@@ -84,15 +88,16 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
 
   // the state tile: S[nt][e] = S^T[v][k], v = vr*16 + g8 + 8*(e>>1) (in the tile), k = ks*KW + 8*nt + 2q + (e&1)
   float S[KW / 8][4];
-  load_state_tile<K, KW, TW>(p, S, MODE == 2, homog, u, un.n, hv, vt, vr, ks, g8, q);
+  if (run.zero) zero_acc(S);
+  else load_state_tile<K, KW, TW>(p, S, MODE == 2, homog, u, un.n, hv, vt, vr, ks, g8, q);
 
 #pragma unroll 1
-  for (int c = un.cb; c < un.ce; ++c) {
-    const int it = c - un.cb;
+  for (int c = run.rb; c < run.re; ++c) {
+    const int it = c - run.rb;
     const int buf = (F::STAGES == 2) ? (it & 1) : 0;
     if constexpr (F::STAGES == 2) {
       if (it == 0) { issue(c, 0); cp_async_commit(); }
-      if (c + 1 < un.ce) { issue(c + 1, buf ^ 1); cp_async_commit(); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
+      if (c + 1 < run.re) { issue(c + 1, buf ^ 1); cp_async_commit(); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
     } else {
       issue(c, 0);
       cp_async_commit();
@@ -211,13 +216,13 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
         }
     }
 
-    if constexpr (MODE == 1) {
+    if (MODE == 1 && c >= run.ob) {
       const int v0 = vt * TW + vr * 16;
       store_frag_rows<St, KW / 8>(static_cast<St*>(p.hT) + (chv * p.V + v0) * K + ks * KW, K, S, g8, q);
       if (ks == 0) store_frag_rows<St, 8>(static_cast<St*>(p.VnT) + (chv * p.V + v0) * C, C, vn, g8, q);
     }
 
-    if constexpr (MODE == 0) {
+    if (MODE == 0 && c >= run.ob) {  // (warm-up chunks skip the output)
       // O^T of this warp's tokens t0 .. t0 + 8 NO - 1 (all 64 unless K is split over a warp pair)
       constexpr int NO = (KS == 2) ? 4 : 8;
       const int t0 = (KS == 2) ? 32 * ks : 0;
@@ -278,7 +283,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
     __syncthreads();
   }
 
-  store_state_tile<K, KW, TW>(p, S, MODE == 2, u, un.n, hv, vt, vr, ks, g8, q);
+  if (run.fin) store_state_tile<K, KW, TW>(p, S, MODE == 2, u, un.n, hv, vt, vr, ks, g8, q);
 }
 
 template <class St>

@@ -5,6 +5,8 @@
 //   dS^T  = e^{gam_L} dS'^T + dO^T diag(scale e^gam) Q - dVn^T W          (becomes dS' of the previous chunk)
 // Mode 0 stores dhT (= dS'^T of each chunk) and dVn^T; mode 1 computes a unit's reverse map (tiles of the first V
 // columns from 0 give b, tiles of the next K columns from the identity with dO = 0 give the linear part).
+// With Params::warm the CTA runs one segment of a sequence after a proven warm-up (warmup.cuh): the warm-up
+// chunks, after the segment's end, store nothing.
 // Mirrored kernel staging: the stages, prefetch and chunk walk mirror state_fwd.cuh's (see there).
 #pragma once
 
@@ -12,6 +14,7 @@
 #include "chunks.cuh"
 #include "mma.cuh"
 #include "tile_load.cuh"
+#include "warmup.cuh"
 
 namespace gated_delta {
 namespace cuda {
@@ -41,6 +44,8 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW>::NT, 1) state_rev_kernel(con
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
   const int vr = warp % NVR, ks = warp / NVR;
   const Unit un = get_unit(p, u);
+  Run run;
+  if (!plan_run<true>(p, u, un, hv, vt, run)) return;
   const bool homog = (MODE == 1) && (vt * TW >= p.V);
   const int64_t HK = static_cast<int64_t>(p.H) * K;
 
@@ -73,15 +78,17 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW>::NT, 1) state_rev_kernel(con
 
   // dS[nt][e] = dS'^T[v][k], v = vr*16 + g8 + 8*(e>>1) (in the tile), k = ks*KW + 8*nt + 2q + (e&1)
   float dS[KW / 8][4];
-  load_state_tile<K, KW, TW>(p, dS, MODE == 1, homog, u, un.n, hv, vt, vr, ks, g8, q);
+  if (run.zero) zero_acc(dS);
+  else load_state_tile<K, KW, TW>(p, dS, MODE == 1, homog, u, un.n, hv, vt, vr, ks, g8, q);
 
 #pragma unroll 1
-  for (int c = un.ce - 1; c >= un.cb; --c) {
-    const int it = un.ce - 1 - c;
+  for (int c = run.re - 1; c >= run.rb; --c) {
+    const int it = run.re - 1 - c;
+    const bool out = c < run.oe;  // (warm-up chunks store nothing)
     const int buf = (F::STAGES == 2) ? (it & 1) : 0;
     if constexpr (F::STAGES == 2) {
       if (it == 0) { issue(c, 0); cp_async_commit(); }
-      if (c - 1 >= un.cb) { issue(c - 1, buf ^ 1); cp_async_commit(); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
+      if (c - 1 >= run.rb) { issue(c - 1, buf ^ 1); cp_async_commit(); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
     } else {
       issue(c, 0);
       cp_async_commit();
@@ -94,7 +101,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW>::NT, 1) state_rev_kernel(con
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
 
     const int64_t row0 = chv * p.V + vt * TW + vr * 16;  // this warp's first row of dhT / dVn^T
-    if constexpr (MODE == 0) store_frag_rows<St, KW / 8>(static_cast<St*>(p.dhT) + row0 * K + ks * KW, K, dS, g8, q);
+    if (MODE == 0 && out) store_frag_rows<St, KW / 8>(static_cast<St*>(p.dhT) + row0 * K + ks * KW, K, dS, g8, q);
 
     // dS'^T K^T over this warp's half of K
     float acc2[8][4];
@@ -150,7 +157,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW>::NT, 1) state_rev_kernel(con
         const int j = 8 * nt + 2 * q + (e & 1);
         dvn[nt][e] = p.scale * acc1[nt][e] + __expf(gl - gs[j]) * acc2[nt][e];
       }
-    if (MODE == 0 && ks == 0)
+    if (MODE == 0 && ks == 0 && out)
       store_frag_rows<St, 8>(static_cast<St*>(p.dVnT) + row0 * C, C, dvn, g8, q);
 
     // dS^T <- e^{gam_L} dS'^T - dVn^T W + dO^T diag(scale e^gam) Q
@@ -194,7 +201,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW>::NT, 1) state_rev_kernel(con
     __syncthreads();
   }
 
-  store_state_tile<K, KW, TW>(p, dS, MODE == 1, u, un.n, hv, vt, vr, ks, g8, q);
+  if (run.fin) store_state_tile<K, KW, TW>(p, dS, MODE == 1, u, un.n, hv, vt, vr, ks, g8, q);
 }
 
 template <class St>
