@@ -240,6 +240,7 @@ def _cu_list(cu_seqlens, cu_seqlens_cpu) -> Optional[List[int]]:
     return cu
 
 
+@torch.compiler.disable
 def cp_layout(group, length: int, batch: int = 1, cu_seqlens: Optional[torch.Tensor] = None,
               cu_seqlens_cpu: Optional[torch.Tensor] = None, *, check: Sequence[Tuple[str, int]] = (),
               device: Optional[torch.device] = None, error: Optional[BaseException] = None) -> CPLayout:
@@ -300,6 +301,7 @@ class _CPGatedDeltaRule(torch.autograd.Function):
         dev = q.device
         rest = slice(sl.first_len, sl.length)
         eye = torch.eye(K, dtype=sd, device=dev).expand(M, HV, K, K)
+        exact = v.dtype in (torch.float32, torch.float64)  # the output's linear correction is at full precision
         error = None
         local_map = torch.zeros((M, HV, K, V + K), dtype=sd, device=dev)
         o_first = o_lin = first_map = o_rest = fin_rest = None
@@ -311,7 +313,8 @@ class _CPGatedDeltaRule(torch.autograd.Function):
                 v_ext = torch.cat([v[:, f], v.new_zeros((M, sl.first_len, HV, K))], dim=-1)
                 h_ext = torch.cat([torch.zeros((M, HV, K, V), dtype=sd, device=dev), eye], dim=-1)
                 o_ext, first_map = _op_fwd(opt, q[:, f], k[:, f], v_ext, g[:, f], beta[:, f], h_ext, A_log, dt_bias)
-                o_first, o_lin = o_ext[..., :V], o_ext[..., V:].contiguous()  # o_lin_t = scale A_t^T q_t
+                o_lin = o_ext[..., V:].contiguous()  # o_lin_t = scale A_t^T q_t
+                o_first = o_ext[..., :V] if exact else None  # (16 bits: recomputed below)
                 del o_ext
                 if sl.first_is_outgoing:
                     local_map = first_map
@@ -340,7 +343,7 @@ class _CPGatedDeltaRule(torch.autograd.Function):
         final_first = None
         if sl.cont:
             A_first, B_first = first_map[..., V:], first_map[..., :V]
-            if v.dtype in (torch.float32, torch.float64):
+            if exact:
                 o_first = (o_first + torch.matmul(o_lin.transpose(1, 2), X).transpose(1, 2)).to(v.dtype)
             else:  # one rounding to 16 bits, as in one process: recompute the piece from its true start state
                 f = slice(0, sl.first_len)
@@ -615,6 +618,7 @@ def _halo_sources(layout: CPLayout, rank: int, width: int):
     return out
 
 
+@torch.compiler.disable
 def cp_short_conv_initial_state(x: torch.Tensor, width: int, layout: CPLayout, group) -> Optional[torch.Tensor]:
     """The initial state [N_local, D, width] of the causal short convolution of this rank's slice x [B, T_r, D]
     (the local pieces as in layout.local_cu_seqlens(): the continuing sequence first), with the halo of the previous
