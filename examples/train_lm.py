@@ -400,14 +400,14 @@ def run(rank, args, cfg, port):
             raise SystemExit(f"--cp {args.cp} needs {args.cp} processes, torchrun started {dist.get_world_size()}")
         cp = CP(dist.group.WORLD)
     model, log, amp = train(cfg, args, device, cp, verbose=cp.rank == 0)
+    if cp.group is not None:
+        dist.destroy_process_group()  # what follows runs on rank 0 alone
     if cp.rank == 0:
         report(model, log, amp, args, device)
         if args.check:
             print("\n--check: the same training in one process, from the same seed")
             _, log_one, _ = train(cfg, args, device, CP(), verbose=False)
             compare(log, log_one)
-    if cp.group is not None:
-        dist.destroy_process_group()
 
 
 def main():
