@@ -199,9 +199,9 @@ def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _seq_hash(cu: Sequence[int]) -> Tuple[int, int]:
+def _seq_hash(cu: Sequence[int]) -> int:
     m = (1 << 61) - 1
-    return sum(cu) % m, sum((i + 1) * c for i, c in enumerate(cu)) % m
+    return (sum(cu) * 1000003 + sum((i + 1) * c for i, c in enumerate(cu))) % m
 
 
 def _exchange_meta(group, device, length: int, fields: List[Tuple[str, int]], error: Optional[BaseException]):
@@ -260,9 +260,8 @@ def cp_layout(group, length: int, batch: int = 1, cu_seqlens: Optional[torch.Ten
         error = error or exc
     fields = [("batch size B", batch), ("use of cu_seqlens", cu is not None)]
     if cu is not None:
-        h1, h2 = _seq_hash(cu)
-        fields += [("number of sequences N", len(cu) - 1), ("cu_seqlens (global offsets)", h1),
-                   ("cu_seqlens (global offsets) ", h2)]
+        fields += [("number of sequences N", len(cu) - 1),
+                   ("cu_seqlens (the global offsets; values shown are hashes)", _seq_hash(cu))]
     fields += list(check)
     lengths = _exchange_meta(group, device, length, fields, error)
     if cu is not None and cu[-1] != sum(lengths):
@@ -288,6 +287,14 @@ def _outer_sum(a: torch.Tensor, b: torch.Tensor, dtype, block: int = 8192) -> to
         bb = b[:, t0:t0 + block].to(dtype).permute(0, 2, 1, 3)  # [M, HV, t, V]
         out += torch.matmul(ab, bb)
     return out
+
+
+def _rest_args(sl: _RankSlice, h0, dev):
+    """(initial states, cu_seqlens, its host copy) of the run over the sequences that start in the slice."""
+    if sl.rest_cu is None:
+        return h0, None, None
+    cu_cpu = torch.tensor(sl.rest_cu, dtype=torch.int32)
+    return (h0[sl.seq_lo:sl.seq_hi] if h0 is not None else None), cu_cpu.to(dev), cu_cpu
 
 
 class _CPGatedDeltaRule(torch.autograd.Function):
@@ -319,12 +326,7 @@ class _CPGatedDeltaRule(torch.autograd.Function):
                 if sl.first_is_outgoing:
                     local_map = first_map
             if sl.length > sl.first_len:  # the sequences that start in this slice
-                if sl.rest_cu is None:
-                    h0_rest, cu, cu_cpu = h0, None, None
-                else:
-                    h0_rest = h0[sl.seq_lo:sl.seq_hi] if h0 is not None else None
-                    cu_cpu = torch.tensor(sl.rest_cu, dtype=torch.int32)
-                    cu = cu_cpu.to(dev)
+                h0_rest, cu, cu_cpu = _rest_args(sl, h0, dev)
                 o_rest, fin_rest = _op_fwd(opt, q[:, rest], k[:, rest], v[:, rest], g[:, rest], beta[:, rest],
                                            h0_rest, A_log, dt_bias, cu, cu_cpu)
                 if sl.outgoing and not sl.first_is_outgoing:
@@ -428,12 +430,7 @@ class _CPGatedDeltaRule(torch.autograd.Function):
             dfin = d_final_rows(lo, lo + n_rest).clone()
             if sl.outgoing:
                 dfin[-M:] = dY
-            if varlen:
-                h0_rest = h0[sl.seq_lo:sl.seq_hi] if h0 is not None else None
-                cu_cpu = torch.tensor(sl.rest_cu, dtype=torch.int32)
-                cu = cu_cpu.to(dev)
-            else:
-                h0_rest, cu, cu_cpu = h0, None, None
+            h0_rest, cu, cu_cpu = _rest_args(sl, h0, dev)
             r = _op_bwd(opt, d_o[:, rest].contiguous(), dfin, q[:, rest], k[:, rest], v[:, rest], g[:, rest],
                         beta[:, rest], h0_rest, A_log, dt_bias, cu, cu_cpu)
             grads.append(r[:5])
