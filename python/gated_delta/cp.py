@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from . import _C  # noqa: F401  (loads the library that registers torch.ops.gated_delta)
+from .ops import ALGORITHMS as _ALGORITHMS, _check_python_args
 
 __all__ = ["cp_gated_delta_rule", "CPLayout", "cp_layout", "cp_short_conv_initial_state"]
 
-_ALGORITHMS = ("auto", "recurrent", "chunk", "scan")
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -478,29 +478,11 @@ def _local_checks(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_k
 
 
 @torch.compiler.disable
-def cp_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-    cu_seqlens: Optional[torch.Tensor] = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    use_gate_in_kernel: bool = False,
-    A_log: Optional[torch.Tensor] = None,
-    dt_bias: Optional[torch.Tensor] = None,
-    algorithm: str = "auto",
-    chunk_size: int = 64,
-    cu_seqlens_cpu: Optional[torch.Tensor] = None,
-    *,
-    cp_group,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The gated delta rule on a sequence split over the ranks of `cp_group` (context parallelism), exact.
+def cp_gated_delta_rule(cp_group, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                        use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, use_gate_in_kernel,
+                        A_log, dt_bias, algorithm, chunk_size, cu_seqlens_cpu):
+    """`gated_delta_rule(..., cp_group=group)`: the gated delta rule on a sequence split over the ranks of the group
+    (context parallelism), exact.
 
     Each rank passes its contiguous slice of the token dimension, in rank order: q, k [B, T_r, H, K],
     v [B, T_r, HV, V], g, beta [B, T_r, HV] (T_r may differ between ranks, and may be 0). Either an equal-length
@@ -521,15 +503,8 @@ def cp_gated_delta_rule(
     _group_info(cp_group)
     error = None
     try:
+        _check_python_args(scale, algorithm, chunk_size, output_final_state)
         _local_checks(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, cu_seqlens)
-        if algorithm not in _ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {_ALGORITHMS}, got {algorithm!r}")
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-            raise TypeError(f"scale must be a Python number or None, got {type(scale).__name__}")
-        if not isinstance(output_final_state, bool):
-            raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
     except (ValueError, TypeError, RuntimeError) as exc:
         error = exc
     if error is None:

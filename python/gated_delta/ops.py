@@ -69,9 +69,9 @@ def gated_delta_rule(
     if cp_group is not None:
         from .cp import cp_gated_delta_rule
         return cp_gated_delta_rule(
-            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+            cp_group, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
             use_beta_sigmoid_in_kernel, allow_neg_eigval, use_gate_in_kernel, A_log, dt_bias, algorithm, chunk_size,
-            cu_seqlens_cpu, cp_group=cp_group)
+            cu_seqlens_cpu)
     _check_python_args(scale, algorithm, chunk_size, output_final_state)
     if scale is None:
         if not isinstance(q, torch.Tensor):
