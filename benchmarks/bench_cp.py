@@ -215,6 +215,7 @@ def main_worker(rank, args, port):
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=600))
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the float64 references share the host's cores
     lines = []
 
     def say(line=""):

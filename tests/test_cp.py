@@ -291,6 +291,32 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.parametrize("options", ["plain", "all"])
+def test_map_pass_is_the_affine_map(options):
+    """The map pass of a piece (joined and as two calls) gives [B | A] and o_lin with, for any entering state X:
+    final state = A X + B and o(X) = o(0) + X^T o_lin, as the op run from X."""
+    from gated_delta.cp import _map_pass, _Options
+
+    gen = torch.Generator().manual_seed(11)
+    inputs = make_inputs(gen, 150, B=2, options=OPTION_SETS[options], initial_state=False)
+    q, k, v, g, beta = (inputs.pop(n) for n in PER_TOKEN)
+    M, T, HV, V = v.shape
+    K = q.shape[-1]
+    opt = _Options(K ** -0.5, *(bool(inputs.get(n, False)) for n in (
+        "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "use_gate_in_kernel")),
+        "chunk", 64)
+    A_log, dt_bias = inputs.get("A_log"), inputs.get("dt_bias")
+    eye = torch.eye(K, dtype=torch.float64).expand(M, HV, K, K)
+    X = torch.randn(M, HV, K, V, generator=gen, dtype=torch.float64)
+    o_x, h_x = gated_delta.gated_delta_rule(q, k, v, g, beta, initial_state=X, output_final_state=True,
+                                            algorithm="chunk", **{n: t for n, t in inputs.items()})
+    for joined in (True, False):
+        o0, o_lin, state = _map_pass(opt, q, k, v, g, beta, A_log, dt_bias, eye, joined)
+        B, A = state[..., :V], state[..., V:]
+        assert rel(A @ X + B, h_x) < 1e-12
+        assert rel(o0 + (o_lin.transpose(1, 2) @ X).transpose(1, 2), o_x) < 1e-12
+
+
 @pytest.fixture(scope="module")
 def cp_rows():
     """Every row of every worker: (world or "dp", rank, case, quantity, error, tolerance)."""

@@ -289,6 +289,31 @@ def _outer_sum(a: torch.Tensor, b: torch.Tensor, dtype, block: int = 8192) -> to
     return out
 
 
+# Value widths the CUDA kernels take (csrc/cuda/core_cuda.cpp); the map pass joins the K extra columns to v when
+# V + K is one of them, else runs them as a second call (the CPU kernels take any width).
+_CUDA_VALUE_WIDTHS = (64, 128, 256)
+
+
+def _joined_map_pass(v: torch.Tensor, K: int) -> bool:
+    return v.device.type == "cpu" or v.shape[-1] + K in _CUDA_VALUE_WIDTHS
+
+
+def _map_pass(opt: _Options, q, k, v, g, beta, A_log, dt_bias, eye, joined: bool):
+    """The op over a piece from the state [0 | I] with the value columns [v | 0] (one call when joined, else one for
+    v and one for the K zero columns): returns o (from a zero state), o_lin [M, T, HV, K] (o_lin_t = scale A_t^T q_t,
+    the outputs' response to the entering state) and the final state [B | A] [M, HV, K, V + K]."""
+    M, T, HV, V = v.shape
+    K = q.shape[-1]
+    zero = torch.zeros((M, HV, K, V), dtype=eye.dtype, device=eye.device)
+    if joined:
+        v_ext = torch.cat([v, v.new_zeros((M, T, HV, K))], dim=-1)
+        o_ext, state = _op_fwd(opt, q, k, v_ext, g, beta, torch.cat([zero, eye], dim=-1), A_log, dt_bias)
+        return o_ext[..., :V], o_ext[..., V:].contiguous(), state
+    o, B = _op_fwd(opt, q, k, v, g, beta, zero, A_log, dt_bias)
+    o_lin, A = _op_fwd(opt, q, k, v.new_zeros((M, T, HV, K)), g, beta, eye.contiguous(), A_log, dt_bias)
+    return o, o_lin, torch.cat([B, A], dim=-1)
+
+
 def _rest_args(sl: _RankSlice, h0, dev):
     """(initial states, cu_seqlens, its host copy) of the run over the sequences that start in the slice."""
     if sl.rest_cu is None:
@@ -315,14 +340,12 @@ class _CPGatedDeltaRule(torch.autograd.Function):
         try:
             if sl.length == 0:
                 local_map[..., V:] = eye  # an empty slice passes the state on unchanged
-            if sl.cont:  # the continuing piece, with K extra value columns: final state [B | A]
+            if sl.cont:  # the continuing piece's map [B | A] and outputs, from the state [0 | I]
                 f = slice(0, sl.first_len)
-                v_ext = torch.cat([v[:, f], v.new_zeros((M, sl.first_len, HV, K))], dim=-1)
-                h_ext = torch.cat([torch.zeros((M, HV, K, V), dtype=sd, device=dev), eye], dim=-1)
-                o_ext, first_map = _op_fwd(opt, q[:, f], k[:, f], v_ext, g[:, f], beta[:, f], h_ext, A_log, dt_bias)
-                o_lin = o_ext[..., V:].contiguous()  # o_lin_t = scale A_t^T q_t
-                o_first = o_ext[..., :V] if exact else None  # (16 bits: recomputed below)
-                del o_ext
+                o_first, o_lin, first_map = _map_pass(opt, q[:, f], k[:, f], v[:, f], g[:, f], beta[:, f], A_log,
+                                                      dt_bias, eye, _joined_map_pass(v, K))
+                if not exact:
+                    o_first = None  # recomputed from the incoming state below
                 if sl.first_is_outgoing:
                     local_map = first_map
             if sl.length > sl.first_len:  # the sequences that start in this slice
