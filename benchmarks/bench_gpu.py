@@ -1,12 +1,15 @@
-"""GPU benchmark of gated_delta against flash-linear-attention (FLA) on the shapes of DESIGN.md section 5.
+"""GPU benchmark of gated_delta against FlashQLA and flash-linear-attention (FLA) on the shapes of DESIGN.md section 5.
 
-bf16, K = V = 128. For each shape: forward and forward+backward time (median of CUDA-event timings after warm-up,
-rotating several input sets), peak extra memory of forward+backward, and FLA's chunk_gated_delta_rule side by side
-in the same process when it is importable. Relative errors against a float64 reference are measured on a
+bf16, K = V = 128. For each shape and implementation, in one process: forward and forward+backward
+- eager time: median of CUDA-event timings after warm-up, rotating several input sets (what a caller waits for,
+  host overhead included when the host is slower than the GPU);
+- device time: the sum of the kernel durations of one call, from torch.profiler, median over several calls;
+- peak extra memory of forward+backward.
+FlashQLA (`flash_qla.chunk_gated_delta_rule`) and FLA's chunk_gated_delta_rule are measured when importable. Relative errors against a float64 reference are measured on a
 T = 1024 slice of each head configuration (the reference is the token loop, run in float64 on the GPU). Cold start
 is the wall time of a fresh process importing the package and running a first forward+backward.
 
-    python benchmarks/bench_gpu.py --out DIR [--no-fla] [--reps 20] [--rows 1x32768:16:64,...]
+    python benchmarks/bench_gpu.py --out DIR [--no-fla] [--no-qla] [--reps 20] [--rows 1x32768:16:64,...]
 
 Writes DIR/bench_gpu.md (tables), DIR/bench_gpu.json and DIR/bench_gpu.png (time vs tokens).
 FLA's Triton kernels compile (and autotune) on first use, minutes on a fresh machine; Triton keeps them in
@@ -70,11 +73,24 @@ def load_fla():
     return chunk_gated_delta_rule, note
 
 
-def impls(use_fla):
+def load_qla():
+    try:
+        from flash_qla import chunk_gated_delta_rule
+    except Exception as e:  # noqa: BLE001
+        print(f"FlashQLA not importable: {e!r}")
+        return None
+    return chunk_gated_delta_rule
+
+
+def impls(use_fla, use_qla=True):
     from gated_delta import gated_delta_rule
 
     out = {"ours": lambda q, k, v, g, b: gated_delta_rule(q, k, v, g, b, scale=K ** -0.5)[0]}
     note = None
+    if use_qla:
+        qla = load_qla()
+        if qla is not None:
+            out["qla"] = lambda q, k, v, g, b: qla(q, k, v, g, b, scale=K ** -0.5)[0]
     if use_fla:
         fla, note = load_fla()
         if fla is not None:
@@ -98,6 +114,20 @@ def time_fn(fn, sets, reps, warmup=3):
     return statistics.median(times)
 
 
+def device_time(fn, sets, calls=5):
+    """Median over `calls` calls of the summed kernel durations of one call (torch.profiler), in ms."""
+    fn(*sets[0])
+    torch.cuda.synchronize()
+    per_call = []
+    for c in range(calls):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn(*sets[c % len(sets)])
+            torch.cuda.synchronize()
+        per_call.append(sum(e.device_time_total for e in prof.events()
+                            if e.device_type == torch.autograd.DeviceType.CUDA) / 1000.0)
+    return statistics.median(per_call)
+
+
 def bench_row(row, fns, reps, nsets, skip=()):
     B, T, H, HV = row
     res = {}
@@ -108,6 +138,7 @@ def bench_row(row, fns, reps, nsets, skip=()):
             continue
         with torch.no_grad():
             t_f = time_fn(lambda *x: f(*x), fwd_sets, reps)
+            d_f = device_time(lambda *x: f(*x), fwd_sets)
 
         def fb(xs, do):
             for x in xs:
@@ -116,6 +147,7 @@ def bench_row(row, fns, reps, nsets, skip=()):
             o.backward(do)
 
         t_fb = time_fn(lambda xs, do: fb(xs, do), bwd_sets, reps)
+        d_fb = device_time(lambda xs, do: fb(xs, do), bwd_sets)
         for xs, _ in bwd_sets:
             for x in xs:
                 x.grad = None
@@ -127,9 +159,10 @@ def bench_row(row, fns, reps, nsets, skip=()):
         peak = torch.cuda.max_memory_allocated() - base
         for x in bwd_sets[0][0]:
             x.grad = None
-        res[name] = {"fwd_ms": t_f, "fwdbwd_ms": t_fb, "peak_extra_gib": peak / 2 ** 30}
-        print(f"  {name:5s} {B}x{T} H={H} HV={HV}: fwd {t_f:.3f} ms  fwd+bwd {t_fb:.3f} ms  "
-              f"peak extra {peak / 2**30:.2f} GiB", flush=True)
+        res[name] = {"fwd_ms": t_f, "fwdbwd_ms": t_fb, "fwd_dev_ms": d_f, "fwdbwd_dev_ms": d_fb,
+                     "peak_extra_gib": peak / 2 ** 30}
+        print(f"  {name:5s} {B}x{T} H={H} HV={HV}: fwd {t_f:.3f} ms (device {d_f:.3f})  fwd+bwd {t_fb:.3f} ms "
+              f"(device {d_fb:.3f})  peak extra {peak / 2**30:.2f} GiB", flush=True)
     del fwd_sets, bwd_sets
     torch.cuda.empty_cache()
     return res
@@ -224,21 +257,21 @@ def plot(results, path):
     except Exception:  # noqa: BLE001
         return False
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key, title in ((axes[0], "fwd_ms", "forward"), (axes[1], "fwdbwd_ms", "forward + backward")):
-        for name, marker in (("ours", "o"), ("fla", "s")):
+    for ax, key, title in ((axes[0], "fwd_dev_ms", "forward"), (axes[1], "fwdbwd_dev_ms", "forward + backward")):
+        for name, marker in (("ours", "o"), ("qla", "^"), ("fla", "s")):
             pts = [(r["B"] * r["T"] * r["HV"], r[name][key], f'{r["B"]}x{r["T"]}/{r["H"]}/{r["HV"]}')
                    for r in results if name in r]
             if not pts:
                 continue
             ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker,
-                       label="gated_delta (CUDA)" if name == "ours" else "FLA (Triton)")
+                       label={"ours": "gated_delta (CUDA)", "qla": "FlashQLA (TileLang)", "fla": "FLA (Triton)"}[name])
             if name == "ours":
                 for x, y, lab in pts:
                     ax.annotate(lab, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("tokens x value heads (B*T*HV)")
-        ax.set_ylabel("ms (median)")
+        ax.set_ylabel("device ms (median)")
         ax.set_title(f"{title}, bf16, K=V=128, {torch.cuda.get_device_name()}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
@@ -254,6 +287,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sets", type=int, default=3)
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--no-qla", action="store_true", help="leave FlashQLA out")
     ap.add_argument("--no-errors", action="store_true")
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--no-fla-cold", action="store_true")
@@ -262,7 +296,7 @@ def main():
                     help="start no new FLA measurement after this many seconds (its JIT compilation is slow)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    fns, note = impls(not args.no_fla)
+    fns, note = impls(not args.no_fla, not args.no_qla)
     rows = parse_rows(args.rows)
     import gated_delta
 
@@ -281,12 +315,11 @@ def main():
         meta["triton"] = triton.__version__
     except Exception:  # noqa: BLE001
         pass
-    try:
-        import fla
-
-        meta["fla"] = getattr(fla, "__version__", "?")
-    except Exception:  # noqa: BLE001
-        pass
+    for mod in ("fla", "flash_qla", "tilelang"):
+        try:
+            meta[mod] = getattr(__import__(mod), "__version__", "?")
+        except Exception:  # noqa: BLE001
+            pass
     print(meta, flush=True)
     t_start = time.time()
     for prow in (parse_rows(args.profile) if args.profile else []):
@@ -313,34 +346,35 @@ def main():
         print(f"  cold start: {cold}", flush=True)
 
     lines = [f"Date {meta['date']}; {meta['gpu']}; torch {meta['torch']} (CUDA {meta['cuda']}); "
-             f"triton {meta.get('triton', '-')}; FLA {meta.get('fla', '-')}; gated_delta {meta['gated_delta']}.",
+             f"triton {meta.get('triton', '-')}; FLA {meta.get('fla', '-')}; FlashQLA {meta.get('flash_qla', '-')} "
+             f"(TileLang {meta.get('tilelang', '-')}); gated_delta {meta['gated_delta']}.",
              f"Command: `{meta['command']}`.", ""]
     if note:
         lines += [f"Note: {note}.", ""]
-    has_fla = any("fla" in r for r in results)
-    hdr = "| B x T | H | HV | fwd ms | fwd+bwd ms | peak extra GiB |"
-    sep = "|---|---|---|---|---|---|"
-    if has_fla:
-        hdr = ("| B x T | H | HV | fwd ms (FLA) | fwd speedup | fwd+bwd ms (FLA) | fwd+bwd speedup | "
-               "peak extra GiB (FLA) |")
-        sep = "|---|---|---|---|---|---|---|---|"
-    lines += [hdr, sep]
+    names = [n for n in ("ours", "qla", "fla") if any(n in r for r in results)]
+    label = {"ours": "ours", "qla": "FlashQLA", "fla": "FLA"}
+    lines += ["Device time (sum of kernel durations per call, torch.profiler) and eager time (CUDA events around "
+              "the call, host overhead included), ms; peak extra memory of forward+backward, GiB. A dash: not "
+              "measured on that row.", ""]
+    hdr = "| B x T | H | HV | pass |" + "".join(f" {label[n]} device | {label[n]} eager |" for n in names)
+    others = [n for n in names if n != "ours"]
+    hdr += "".join(f" ours / {label[n]} (device) |" for n in others)
+    lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
     for r in results:
-        o = r["ours"]
-        if has_fla and "fla" in r:
-            f = r["fla"]
-            lines.append(f"| {r['B']} x {r['T']} | {r['H']} | {r['HV']} | {o['fwd_ms']:.3f} ({f['fwd_ms']:.3f}) | "
-                         f"{f['fwd_ms'] / o['fwd_ms']:.2f}x | {o['fwdbwd_ms']:.3f} ({f['fwdbwd_ms']:.3f}) | "
-                         f"{f['fwdbwd_ms'] / o['fwdbwd_ms']:.2f}x | {o['peak_extra_gib']:.2f} "
-                         f"({f['peak_extra_gib']:.2f}) |")
-        elif has_fla:
-            lines.append(f"| {r['B']} x {r['T']} | {r['H']} | {r['HV']} | {o['fwd_ms']:.3f} (-) | - | "
-                         f"{o['fwdbwd_ms']:.3f} (-) | - | {o['peak_extra_gib']:.2f} (-) |")
-        else:
-            lines.append(f"| {r['B']} x {r['T']} | {r['H']} | {r['HV']} | {o['fwd_ms']:.3f} | "
-                         f"{o['fwdbwd_ms']:.3f} | {o['peak_extra_gib']:.2f} |")
-    if has_fla and any("fla" not in r for r in results):
-        lines += ["", "(-): FLA not measured on that row (the run's time budget for FLA's JIT compilation ran out)."]
+        for key, pas in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
+            cells = []
+            for n in names:
+                m = r.get(n)
+                cells += [f"{m[key + '_dev_ms']:.3f}", f"{m[key + '_ms']:.3f}"] if m else ["-", "-"]
+            for n in others:
+                m = r.get(n)
+                cells.append(f"{r['ours'][key + '_dev_ms'] / m[key + '_dev_ms']:.2f}" if m else "-")
+            lines.append(f"| {r['B']} x {r['T']} | {r['H']} | {r['HV']} | {pas} | " + " | ".join(cells) + " |")
+    lines += ["", "| B x T | H | HV |" + "".join(f" peak {label[n]} |" for n in names),
+              "|---|---|---|" + "---|" * len(names)]
+    for r in results:
+        lines.append(f"| {r['B']} x {r['T']} | {r['H']} | {r['HV']} | " +
+                     " | ".join(f"{r[n]['peak_extra_gib']:.2f}" if n in r else "-" for n in names) + " |")
     if errs:
         lines += ["", "Relative L2 error against the float64 reference (B=1, T=1024, same heads):", "",
                   "| H/HV | impl | o | dq | dk | dv | dg | dbeta |", "|---|---|---|---|---|---|---|---|"]

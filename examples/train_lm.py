@@ -5,10 +5,18 @@ a JSON log, and ends by generating a continuation through the decode cache.
     python examples/train_lm.py                         # cpu-small: a few minutes on 2 CPU cores
     python examples/train_lm.py --preset gpu-100m       # ~100M parameters, bf16 autocast, reports tokens/s
 
+Context parallelism: `--cp N` splits every sequence over N processes (gloo on the CPU, NCCL on GPUs, one GPU per
+process), started by the script itself or by torchrun; `--check` then also trains one process from the same seed and
+prints both loss curves:
+
+    python examples/train_lm.py --cp 2 --steps 20 --check                       # 2 CPU processes
+    torchrun --nproc_per_node 2 examples/train_lm.py --preset gpu-100m --cp 2   # 2 GPUs
+
 Model: byte embedding; N blocks of  x + GatedDeltaNet(RMSNorm(x)),  x + SwiGLU(RMSNorm(x));  final RMSNorm; output
 head tied to the embedding.
 """
 import argparse
+import datetime
 import json
 import math
 import os
@@ -21,6 +29,8 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
@@ -86,10 +96,10 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads, layer_idx):
+    def __init__(self, d, heads, layer_idx, cp_group=None):
         super().__init__()
         self.mixer_norm = gd.GatedRMSNorm(d, eps=1e-6)
-        self.mixer = gd.GatedDeltaNet(d, heads, layer_idx=layer_idx)
+        self.mixer = gd.GatedDeltaNet(d, heads, layer_idx=layer_idx, cp_group=cp_group)
         self.mlp_norm = gd.GatedRMSNorm(d, eps=1e-6)
         self.mlp = SwiGLU(d, 32 * math.ceil(8 * d / 3 / 32))
 
@@ -100,10 +110,10 @@ class Block(nn.Module):
 
 
 class ByteLM(nn.Module):
-    def __init__(self, d_model, n_layers, heads, checkpoint=False):
+    def __init__(self, d_model, n_layers, heads, checkpoint=False, cp_group=None):
         super().__init__()
         self.embed = nn.Embedding(256, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, heads, i) for i in range(n_layers))
+        self.blocks = nn.ModuleList(Block(d_model, heads, i, cp_group) for i in range(n_layers))
         self.norm = gd.GatedRMSNorm(d_model, eps=1e-6)
         self.checkpoint = checkpoint
         self.reset_parameters(n_layers)
@@ -131,6 +141,13 @@ class ByteLM(nn.Module):
         return logits, (new_caches if use_cache else None)
 
 
+def set_cp_group(model, group):
+    """Every GatedDeltaNet of the model runs over `group` (None: the whole sequence in this process)."""
+    for m in model.modules():
+        if isinstance(m, gd.GatedDeltaNet):
+            m.cp_group = group
+
+
 def param_groups(model, weight_decay):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -155,14 +172,49 @@ def generate(model, prompt, n_new, temperature, gen, device, amp):
     return prompt + bytes(out).decode("utf-8", errors="replace")
 
 
-@torch.no_grad()
-def evaluate(model, val_batches, amp):
-    model.eval()
-    losses = []
+class CP:
+    """This process's part of a context-parallel run (group None: one process holds every token). Rank r takes the
+    r-th contiguous slice of the sequence dimension."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world = dist.get_world_size(group) if group is not None else 1
+
+    def bounds(self, T):
+        sizes = [T // self.world + (r < T % self.world) for r in range(self.world)]
+        start = sum(sizes[:self.rank])
+        return start, start + sizes[self.rank]
+
+    def sum_(self, t):
+        if self.group is not None:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def sum_grads(self, model):
+        """Parameters are replicated, each rank's gradient is its tokens' share: sum them (one flat all-reduce)."""
+        if self.group is None:
+            return
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+
+def loss_of(model, x, y, cp, amp):
+    """Mean cross-entropy over every token of the batch; with CP this rank's share (its tokens' sum / all tokens)."""
+    start, end = cp.bounds(x.shape[1])
     with amp():
-        for x, y in val_batches:
-            logits, _ = model(x)
-            losses.append(F.cross_entropy(logits.float().view(-1, 256), y.reshape(-1)).item())
+        logits, _ = model(x[:, start:end])
+    ce = F.cross_entropy(logits.float().reshape(-1, 256), y[:, start:end].reshape(-1), reduction="sum")
+    return ce / y.numel()
+
+
+@torch.no_grad()
+def evaluate(model, val_batches, amp, cp):
+    model.eval()
+    losses = [cp.sum_(loss_of(model, x, y, cp, amp)).item() for x, y in val_batches]
     model.train()
     return sum(losses) / len(losses)
 
@@ -200,23 +252,8 @@ class Progress:
             print()
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
-    for name, typ in (("device", str), ("steps", int), ("batch-size", int), ("seq-len", int), ("d-model", int),
-                      ("n-layers", int), ("heads", int), ("lr", float), ("eval-every", int)):
-        ap.add_argument(f"--{name}", type=typ, default=None, help="overrides the preset")
-    ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block (GPU)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    cfg = dict(PRESETS[args.preset])
-    for k in ("device", "steps", "batch_size", "seq_len", "d_model", "n_layers", "heads", "lr", "eval_every"):
-        if getattr(args, k) is not None:
-            cfg[k] = getattr(args, k)
-    device = torch.device(cfg["device"])
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda requested but no CUDA device is available")
+def train(cfg, args, device, cp, verbose):
+    """Train from the seed; returns the model and the log (every step's loss in log["loss_per_step"])."""
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     use_amp = device.type == "cuda"
@@ -224,16 +261,19 @@ def main():
     def amp():
         return torch.autocast("cuda", dtype=torch.bfloat16) if use_amp else torch.autocast("cpu", enabled=False)
 
-    train, val, n_files = load_stdlib_text()
-    h_bits = unigram_entropy(train)
-    model = ByteLM(cfg["d_model"], cfg["n_layers"], cfg["heads"], checkpoint=args.checkpoint).to(device)
+    train_data, val, n_files = load_stdlib_text()
+    h_bits = unigram_entropy(train_data)
+    model = ByteLM(cfg["d_model"], cfg["n_layers"], cfg["heads"], checkpoint=args.checkpoint, cp_group=cp.group)
+    model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"data: {n_files} stdlib .py files, train {train.numel() / 1e6:.1f} MB, val {val.numel() / 1e6:.1f} MB; "
-          f"unigram entropy {h_bits:.3f} bits/byte = {h_bits * math.log(2):.3f} nats")
-    print(f"model: {n_params / 1e6:.2f}M params, d_model {cfg['d_model']}, {cfg['n_layers']} layers, "
-          f"{cfg['heads']} heads; batch {cfg['batch_size']} x {cfg['seq_len']} bytes, {cfg['steps']} steps, "
-          f"lr {cfg['lr']}, {device.type}{' bf16 autocast' if use_amp else ''}"
-          f"{', checkpointing' if args.checkpoint else ''}")
+    if verbose:
+        print(f"data: {n_files} stdlib .py files, train {train_data.numel() / 1e6:.1f} MB, val "
+              f"{val.numel() / 1e6:.1f} MB; unigram entropy {h_bits:.3f} bits/byte = {h_bits * math.log(2):.3f} nats")
+        print(f"model: {n_params / 1e6:.2f}M params, d_model {cfg['d_model']}, {cfg['n_layers']} layers, "
+              f"{cfg['heads']} heads; batch {cfg['batch_size']} x {cfg['seq_len']} bytes, {cfg['steps']} steps, "
+              f"lr {cfg['lr']}, {device.type}{' bf16 autocast' if use_amp else ''}"
+              f"{', checkpointing' if args.checkpoint else ''}"
+              f"{f', sequence split over {cp.world} processes' if cp.group is not None else ', one process'}")
 
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=cfg["lr"], betas=(0.9, 0.95),
                             fused=device.type == "cuda")
@@ -247,54 +287,67 @@ def main():
 
     val_gen = torch.Generator().manual_seed(1234)
     val_batches = [batch(val, cfg["batch_size"], cfg["seq_len"], val_gen, device) for _ in range(cfg["eval_batches"])]
-    log = {"config": {**cfg, "preset": args.preset, "checkpoint": args.checkpoint, "params": n_params},
-           "unigram_entropy_bits": h_bits, "unigram_entropy_nats": h_bits * math.log(2), "train": [], "val": []}
+    log = {"config": {**cfg, "preset": args.preset, "checkpoint": args.checkpoint, "params": n_params,
+                      "cp": cp.world},
+           "unigram_entropy_bits": h_bits, "unigram_entropy_nats": h_bits * math.log(2), "train": [], "val": [],
+           "loss_per_step": []}
     tokens_per_step = cfg["batch_size"] * cfg["seq_len"]
-    progress = Progress(cfg["steps"])
+    progress = Progress(cfg["steps"]) if verbose else None
     t_start = time.time()
     t_window, tok_window, tok_s, loss_window = time.time(), 0, 0.0, []
     model.train()
     for step in range(1, cfg["steps"] + 1):
         for group in opt.param_groups:
             group["lr"] = lr_at(step - 1)
-        x, y = batch(train, cfg["batch_size"], cfg["seq_len"], gen, device)
-        with amp():
-            logits, _ = model(x)
-        loss = F.cross_entropy(logits.float().view(-1, 256), y.reshape(-1))
+        x, y = batch(train_data, cfg["batch_size"], cfg["seq_len"], gen, device)
+        loss = loss_of(model, x, y, cp, amp)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        cp.sum_grads(model)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         tok_window += tokens_per_step
-        loss_v = loss.item()  # synchronises
+        loss_v = cp.sum_(loss.detach()).item()  # synchronises
+        log["loss_per_step"].append(loss_v)
         loss_window.append(loss_v)
         if step % 10 == 0 or step == cfg["steps"]:
             now = time.time()
             tok_s = tok_window / (now - t_window)
             log["train"].append({"step": step, "loss": sum(loss_window) / len(loss_window), "tokens_per_s": tok_s})
             t_window, tok_window, loss_window = now, 0, []
-        progress.update(step, loss=f"{loss_v:.3f}", **{"tok/s": f"{tok_s:,.0f}"})
+        if progress:
+            progress.update(step, loss=f"{loss_v:.3f}", **{"tok/s": f"{tok_s:,.0f}"})
         if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
             t_eval = time.time()
-            v = evaluate(model, val_batches, amp)
+            v = evaluate(model, val_batches, amp, cp)
             t_window += time.time() - t_eval  # tokens/s counts training time only
             log["val"].append({"step": step, "loss": v})
-            progress.write(f"step {step}: val loss {v:.3f} nats ({v / math.log(2):.3f} bits/byte)")
-    progress.close()
+            if progress:
+                progress.write(f"step {step}: val loss {v:.3f} nats ({v / math.log(2):.3f} bits/byte)")
+    if progress:
+        progress.close()
     elapsed = time.time() - t_start
-    final = log["val"][-1]["loss"]
     train_tok_s = [r["tokens_per_s"] for r in log["train"][len(log["train"]) // 2:]]
-    log.update(final_val_loss=final, elapsed_s=elapsed, tokens_per_s=sum(train_tok_s) / len(train_tok_s))
+    log.update(final_val_loss=log["val"][-1]["loss"], elapsed_s=elapsed,
+               tokens_per_s=sum(train_tok_s) / len(train_tok_s))
+    return model, log, amp
+
+
+def report(model, log, amp, args, device):
+    h_bits, final, elapsed = log["unigram_entropy_bits"], log["final_val_loss"], log["elapsed_s"]
     print(f"final val loss {final:.3f} nats = {final / math.log(2):.3f} bits/byte  vs  unigram entropy "
           f"{h_bits * math.log(2):.3f} nats = {h_bits:.3f} bits/byte; {elapsed:.0f} s, "
           f"{log['tokens_per_s']:,.0f} tokens/s")
 
+    set_cp_group(model, None)  # decoding runs in one process (the cache is not split)
     sample = generate(model, "def ", 240, 0.8, torch.Generator().manual_seed(args.seed), device, amp)
     log["sample"] = sample
     print("sample (decode cache):\n" + sample)
 
+    n_params, cp = log["config"]["params"], log["config"]["cp"]
+    name = f"train_lm_{args.preset}" + (f"_cp{cp}" if cp > 1 else "")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"train_lm_{args.preset}.json"), "w") as f:
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(log, f, indent=1)
     try:
         import matplotlib
@@ -306,13 +359,86 @@ def main():
         ax.axhline(h_bits * math.log(2), color="gray", ls="--", label="unigram entropy")
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats/byte)")
-        ax.set_title(f"GatedDeltaNet byte LM, {n_params / 1e6:.1f}M params")
+        ax.set_title(f"GatedDeltaNet byte LM, {n_params / 1e6:.1f}M params" + (f", CP over {cp}" if cp > 1 else ""))
         ax.legend()
         fig.tight_layout()
-        fig.savefig(os.path.join(args.out, f"train_lm_{args.preset}.png"), dpi=120)
-        print(f"saved {args.out}/train_lm_{args.preset}.png and .json")
+        fig.savefig(os.path.join(args.out, f"{name}.png"), dpi=120)
+        print(f"saved {args.out}/{name}.png and .json")
     except ImportError:
-        print(f"saved {args.out}/train_lm_{args.preset}.json (matplotlib not installed: no plot)")
+        print(f"saved {args.out}/{name}.json (matplotlib not installed: no plot)")
+
+
+def compare(log_cp, log_one):
+    """Print both loss curves and their largest difference."""
+    a, b = log_cp["loss_per_step"], log_one["loss_per_step"]
+    every = max(1, len(a) // 20)
+    print(f"\n{'step':>6} {'loss, CP over ' + str(log_cp['config']['cp']):>18} {'loss, one process':>18} {'diff':>10}")
+    for i in range(0, len(a), every):
+        print(f"{i + 1:>6} {a[i]:>18.6f} {b[i]:>18.6f} {a[i] - b[i]:>10.2e}")
+    worst = max(abs(x - y) for x, y in zip(a, b))
+    print(f"largest |difference| over {len(a)} steps: {worst:.2e} (train), "
+          f"{abs(log_cp['final_val_loss'] - log_one['final_val_loss']):.2e} (final validation loss)")
+
+
+def run(rank, args, cfg, port):
+    """One process: alone, or rank `rank` of a CP group of args.cp processes (spawned here when port is set,
+    else started by torchrun)."""
+    device = torch.device(cfg["device"])
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda requested but no CUDA device is available")
+    cp = CP()
+    if args.cp > 1:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(device)
+        if port is not None:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                              WORLD_SIZE=str(args.cp))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=args.timeout))
+        if dist.get_world_size() != args.cp:
+            raise SystemExit(f"--cp {args.cp} needs {args.cp} processes, torchrun started {dist.get_world_size()}")
+        cp = CP(dist.group.WORLD)
+    model, log, amp = train(cfg, args, device, cp, verbose=cp.rank == 0)
+    if cp.group is not None:
+        dist.destroy_process_group()  # what follows runs on rank 0 alone
+    if cp.rank == 0:
+        report(model, log, amp, args, device)
+        if args.check:
+            print("\n--check: the same training in one process, from the same seed")
+            _, log_one, _ = train(cfg, args, device, CP(), verbose=False)
+            compare(log, log_one)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
+    for name, typ in (("device", str), ("steps", int), ("batch-size", int), ("seq-len", int), ("d-model", int),
+                      ("n-layers", int), ("heads", int), ("lr", float), ("eval-every", int)):
+        ap.add_argument(f"--{name}", type=typ, default=None, help="overrides the preset")
+    ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block (GPU)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cp", type=int, default=1, help="split each sequence over this many processes (one GPU each "
+                    "on CUDA); started here unless run under torchrun")
+    ap.add_argument("--check", action="store_true", help="with --cp: also train in one process from the same seed "
+                    "and print both loss curves")
+    ap.add_argument("--timeout", type=float, default=600, help="timeout of the collectives, seconds")
+    args = ap.parse_args()
+    cfg = dict(PRESETS[args.preset])
+    for k in ("device", "steps", "batch_size", "seq_len", "d_model", "n_layers", "heads", "lr", "eval_every"):
+        if getattr(args, k) is not None:
+            cfg[k] = getattr(args, k)
+    if args.cp < 1:
+        raise SystemExit(f"--cp must be >= 1, got {args.cp}")
+    if args.cp > 1 and "RANK" not in os.environ:  # not under torchrun: start the processes here
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(run, args=(args, cfg, port), nprocs=args.cp, join=True)
+    else:
+        run(int(os.environ.get("RANK", 0)), args, cfg, None)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def _leaves(inputs, grads, convert):
 def reference(inputs, d_o=None, d_ht=None, grads=True):
     """float64 reference (the token loop) of o, the final state and, given d_o / d_ht, every gradient.
 
-    With use_qk_l2norm_in_kernel and 16-bit inputs the op layer (csrc/op_impl.h) hands the kernels the normalised
+    With use_qk_l2norm_in_kernel and 16-bit inputs the op layer (csrc/delta_rule.h) hands the kernels the normalised
     q, k rounded back to the input dtype; the reference rounds them the same way (straight through for the
     gradient, as the op layer's chain rule does), so that the comparison measures the kernels.
     """

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import cp
 from .layer_ops import decode_step, gated_rmsnorm, short_conv, short_conv_update
 from .ops import ALGORITHMS, gated_delta_rule
 
@@ -141,6 +142,10 @@ class GatedDeltaNet(nn.Module):
         feature_map: applied to q and k after the convolution: "identity" (default), "relu", "elu" (elu + 1), or
             "learnable" (a per-head linear map shared by q and k, initialised block-orthogonal).
         layer_idx: kept for model code that indexes caches by layer.
+        cp_group: a torch.distributed process group over which the token dimension is split (context parallelism):
+            each rank passes its slice of x (and the global cu_seqlens); the short convolutions exchange a halo of
+            conv_size - 1 tokens and the gated delta rule runs across the group (see `gated_delta.cp`). Parameter
+            gradients are then this rank's share: all-reduce (sum) them over the group. No cache with cp_group.
 
     `forward(x, cache=None, use_cache=False, cu_seqlens=None)` returns (y, new_cache), new_cache None unless
     use_cache. With a cache and at most `decode_max_tokens` new tokens (and no gradient needed) the layer takes the
@@ -169,6 +174,7 @@ class GatedDeltaNet(nn.Module):
         chunk_size: int = 64,
         feature_map: Optional[str] = None,
         layer_idx: Optional[int] = None,
+        cp_group=None,
         device=None,
         dtype=None,
     ):
@@ -214,6 +220,7 @@ class GatedDeltaNet(nn.Module):
         self.chunk_size = chunk_size
         self.feature_map = feature_map
         self.layer_idx = layer_idx
+        self.cp_group = cp_group
 
         fk = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False, **fk)
@@ -307,6 +314,11 @@ class GatedDeltaNet(nn.Module):
         """x [B, T, hidden_size] (B = 1 with cu_seqlens [N + 1]) -> (y [B, T, hidden_size], cache or None)."""
         self._check_inputs(x, cache, cu_seqlens)
         B, T, _ = x.shape
+        layout = None
+        if self.cp_group is not None:
+            if cache is not None or use_cache:
+                raise ValueError("GatedDeltaNet with cp_group runs without a cache (cache=None, use_cache=False)")
+            layout = cp.cp_layout(self.cp_group, T, B, cu_seqlens, device=x.device)
         need_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
         decode = (use_cache and cache is not None and cu_seqlens is None and 1 <= T <= self.decode_max_tokens
                   and not need_grad)
@@ -320,6 +332,16 @@ class GatedDeltaNet(nn.Module):
                 q = self.q_conv1d.step(q, cq)
                 k = self.k_conv1d.step(k, ck)
                 v = self.v_conv1d.step(v, cv)
+            elif layout is not None:  # the slice's pieces, with the previous ranks' last inputs as a halo
+                local_cu = layout.local_cu_seqlens()
+                local_cu = torch.tensor(local_cu, device=x.device) if local_cu is not None else None
+                h0 = cp.cp_short_conv_initial_state(torch.cat([q, k, v], -1), self.conv_size - 1, layout,
+                                                    self.cp_group)
+                h0 = ((None,) * 3 if h0 is None else
+                      tuple(t.contiguous() for t in h0.split([self.key_dim, self.key_dim, self.value_dim], 1)))
+                q, _ = self.q_conv1d(q, h0[0], False, local_cu)
+                k, _ = self.k_conv1d(k, h0[1], False, local_cu)
+                v, _ = self.v_conv1d(v, h0[2], False, local_cu)
             else:
                 h0 = cache.conv_state if cache is not None else (None, None, None)
                 q, cq = self.q_conv1d(q, h0[0], use_cache, cu_seqlens)
@@ -342,7 +364,7 @@ class GatedDeltaNet(nn.Module):
                 q, k, v, a, b, initial_state=h0, output_final_state=use_cache, cu_seqlens=cu_seqlens,
                 use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                 allow_neg_eigval=self.allow_neg_eigval, use_gate_in_kernel=True, A_log=self.A_log,
-                dt_bias=self.dt_bias, algorithm=self.algorithm, chunk_size=self.chunk_size)
+                dt_bias=self.dt_bias, algorithm=self.algorithm, chunk_size=self.chunk_size, cp_group=self.cp_group)
             new_cache = GatedDeltaNetCache(conv_state, state) if use_cache else None
 
         gate = self.g_proj(x).view(B, T, HV, V) if self.use_output_gate else None

@@ -40,6 +40,7 @@ def gated_delta_rule(
     algorithm: str = "auto",
     chunk_size: int = 64,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    cp_group=None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule, per sequence and value head (query/key head h // (HV // H)):
 
@@ -59,10 +60,18 @@ def gated_delta_rule(
         use_gate_in_kernel: g <- -exp(A_log) * softplus(g + dt_bias), with A_log, dt_bias [HV].
         algorithm: "recurrent", "chunk", "scan" or "auto" (picked by device and shape).
         chunk_size: tokens per chunk for "chunk" and "scan".
+        cp_group: a torch.distributed process group over which the token dimension is split (context parallelism):
+            each rank passes its slice, cu_seqlens are then the global offsets; see `gated_delta.cp`.
 
     Returns:
         o [B, T, HV, V] in v's dtype, and the final state (or None when output_final_state is False).
     """
+    if cp_group is not None:
+        from .cp import cp_gated_delta_rule
+        return cp_gated_delta_rule(
+            cp_group, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel, allow_neg_eigval, use_gate_in_kernel, A_log, dt_bias, algorithm, chunk_size,
+            cu_seqlens_cpu)
     _check_python_args(scale, algorithm, chunk_size, output_final_state)
     if scale is None:
         if not isinstance(q, torch.Tensor):
