@@ -8,6 +8,8 @@ Tolerances per dtype:
   float32: 1e-5 on the CPU, 1e-4 on CUDA (fast-math exp);
   bf16 / fp16: results in the input dtype (o, dq, dk, dv, dbeta) carry its final rounding: 1e-2 / 2e-3;
   results kept in float32 (final state, d initial_state, dg, dgk, dgv for float32 decays): 1e-5 (CPU), 1e-4 (CUDA).
+Observed on the CPU (T=40, K=16, V=24): fp32 <= 1.5e-7 everywhere; bf16 1.7e-3 rounded / 1.7e-7 fp32; fp16 2.4e-4
+rounded / 1.4e-7 fp32.
 """
 import zlib
 
