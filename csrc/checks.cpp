@@ -109,6 +109,17 @@ void check_state(const at::Tensor& q, const at::Tensor& h, const char* name, con
               " inputs), got ", h.scalar_type());
 }
 
+// A per-key or per-value log decay [B, T, HV, D] (D = K or V) of any float dtype, optional.
+void check_kv_gate(const at::Tensor& q, const c10::optional<at::Tensor>& x, const char* name, const char* shape,
+                   const QKVSizes& s, int64_t D) {
+  if (!x.has_value()) return;
+  check_device_as(q, "q", *x, name);
+  TORCH_CHECK(x->dim() == 4 && x->size(0) == s.B && x->size(1) == s.T && x->size(2) == s.HV && x->size(3) == D,
+              name, " must have shape ", shape, " = [", s.B, ", ", s.T, ", ", s.HV, ", ", D, "], got ",
+              shape_str(*x));
+  TORCH_CHECK(is_float_dtype(x->scalar_type()), name, " must be a floating-point tensor, got ", x->scalar_type());
+}
+
 }  // namespace
 
 Sizes check_delta_rule_args(const DeltaRuleArgs& a) {
@@ -152,6 +163,14 @@ Sizes check_delta_rule_args(const DeltaRuleArgs& a) {
   if (a.dt_bias.has_value()) {
     TORCH_CHECK(a.use_gate_in_kernel, "dt_bias is only used with use_gate_in_kernel=True");
     check_head_param(a.q, *a.dt_bias, "dt_bias", s.HV);
+  }
+  check_kv_gate(a.q, a.gk, "gk", "[B, T, HV, K]", s, s.K);
+  check_kv_gate(a.q, a.gv, "gv", "[B, T, HV, V]", s, s.V);
+  if (a.gk.has_value() || a.gv.has_value()) {
+    const char* which = a.gk.has_value() && a.gv.has_value() ? "gk and gv" : a.gk.has_value() ? "gk" : "gv";
+    TORCH_CHECK(a.algorithm == "auto" || a.algorithm == "recurrent", which,
+                " (per-key / per-value decays) are supported by algorithm 'recurrent' (or 'auto') only, got "
+                "algorithm '", a.algorithm, "'");
   }
   return Sizes{s.B, s.T, s.H, s.HV, s.K, s.V, N};
 }

@@ -43,6 +43,8 @@ struct DeltaRuleArgs {
   OptTensor A_log, dt_bias;        // [HV], with use_gate_in_kernel
   std::string algorithm = "auto";  // "auto" | "recurrent" | "chunk" | "scan"
   int64_t chunk_size = 64;
+  // Per-key / per-value log decays [B, T, HV, K] / [B, T, HV, V] of the state's rows / columns (recurrent only).
+  OptTensor gk, gv;
 
   // The fields in the order of the fwd schema, and in the order of the bwd schema after its leading (d_o,
   // d_final_state): the two lists a new field joins. (One template each serves const and non-const access; they
@@ -51,13 +53,13 @@ struct DeltaRuleArgs {
   static auto fwd_fields_of(Self& a) {
     return std::tie(a.q, a.k, a.v, a.g, a.beta, a.scale, a.initial_state, a.output_final_state, a.cu_seqlens,
                     a.cu_seqlens_cpu, a.use_qk_l2norm_in_kernel, a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval,
-                    a.use_gate_in_kernel, a.A_log, a.dt_bias, a.algorithm, a.chunk_size);
+                    a.use_gate_in_kernel, a.A_log, a.dt_bias, a.algorithm, a.chunk_size, a.gk, a.gv);
   }
   template <class Self>
   static auto bwd_fields_of(Self& a) {
     return std::tie(a.q, a.k, a.v, a.g, a.beta, a.scale, a.initial_state, a.cu_seqlens, a.cu_seqlens_cpu,
                     a.use_qk_l2norm_in_kernel, a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval,
-                    a.use_gate_in_kernel, a.A_log, a.dt_bias, a.algorithm, a.chunk_size);
+                    a.use_gate_in_kernel, a.A_log, a.dt_bias, a.algorithm, a.chunk_size, a.gk, a.gv);
   }
   auto fwd_fields() { return fwd_fields_of(*this); }
   auto fwd_fields() const { return fwd_fields_of(*this); }
@@ -65,14 +67,14 @@ struct DeltaRuleArgs {
   auto bwd_fields() const { return bwd_fields_of(*this); }
   // The differentiable inputs, in the order of the gradients the bwd op returns.
   auto differentiable_fields() const {
-    return std::tie(q, k, v, g, beta, initial_state, A_log, dt_bias);
+    return std::tie(q, k, v, g, beta, initial_state, A_log, dt_bias, gk, gv);
   }
 };
 
 using FwdResult = std::tuple<at::Tensor, at::Tensor>;  // o, final_state
-// dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias (one per differentiable field)
+// dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias, dgk, dgv (one per differentiable field)
 using BwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                             at::Tensor>;
+                             at::Tensor, at::Tensor, at::Tensor>;
 
 namespace detail {
 
@@ -173,6 +175,9 @@ struct CoreArgs {
   // Host copy of cu_seqlens ([N + 1] int64 on the CPU), or undefined. Always defined when cu_seqlens is defined
   // and the inputs are on the CPU; on CUDA it is defined only when the caller supplied it.
   at::Tensor cu_seqlens_cpu;
+  // Per-key / per-value log decays [B, T, HV, K] / [B, T, HV, V] in the state dtype, or undefined; only with
+  // Algorithm::Recurrent. Each step: S <- diag(exp(g + gk)) S diag(exp(gv)) before the delta update.
+  at::Tensor gk, gv;
   double scale = 1.0;
   int64_t chunk_size = 64;
   Algorithm algorithm = Algorithm::Auto;  // the backend resolves Auto
@@ -186,6 +191,7 @@ struct CoreArgs {
   int64_t num_v_heads() const { return v.size(2); }
   int64_t head_k() const { return q.size(3); }
   int64_t head_v() const { return v.size(3); }
+  bool has_kv_gates() const { return gk.defined() || gv.defined(); }
   int64_t num_seqs() const { return cu_seqlens.defined() ? cu_seqlens.size(0) - 1 : q.size(0); }
   at::ScalarType state_dtype() const { return acc_dtype(v.scalar_type()); }
 };
@@ -202,6 +208,7 @@ struct CoreGrads {
   at::Tensor dv;           // [B, T, HV, V], state dtype, or the dtype of v as dq
   at::Tensor dg, dbeta;    // [B, T, HV], state dtype
   at::Tensor d_initial_state;  // [N, HV, K, V] state dtype; undefined when args.initial_state is undefined
+  at::Tensor dgk, dgv;     // [B, T, HV, K] / [B, T, HV, V] state dtype; undefined when args.gk / args.gv are
 };
 
 
@@ -254,6 +261,9 @@ inline Preprocessed preprocess(const DeltaRuleArgs& x) {
   } else {
     a.g = x.g.to(cd);
   }
+  if (x.gk.has_value()) a.gk = x.gk->to(cd);
+  if (x.gv.has_value()) a.gv = x.gv->to(cd);
+  if (a.has_kv_gates()) a.algorithm = Algorithm::Recurrent;  // (checks allow only "auto" and "recurrent")
   if (x.initial_state.has_value()) a.initial_state = *x.initial_state;
   if (x.cu_seqlens.has_value()) {
     a.cu_seqlens = x.cu_seqlens->to(at::kLong);
@@ -311,6 +321,8 @@ BwdResult bwd_impl(const at::Tensor& d_o, const OptTensor& d_final_state, const 
     if (x.initial_state.has_value()) {
       gr.d_initial_state = dht.defined() ? dht.clone() : at::zeros_like(*x.initial_state);
     }
+    if (x.gk.has_value()) gr.dgk = at::zeros(x.gk->sizes(), x.gk->options().dtype(sd));
+    if (x.gv.has_value()) gr.dgv = at::zeros(x.gv->sizes(), x.gv->options().dtype(sd));
   } else {
     gr = CoreBwd(p.core, d_o, dht);
   }
@@ -343,8 +355,10 @@ BwdResult bwd_impl(const at::Tensor& d_o, const OptTensor& d_final_state, const 
   }
   at::Tensor dh0 =
       x.initial_state.has_value() ? gr.d_initial_state.to(x.initial_state->scalar_type()) : empty_grad(x.q);
+  at::Tensor dgk = x.gk.has_value() ? gr.dgk.to(x.gk->scalar_type()) : empty_grad(x.q);
+  at::Tensor dgv = x.gv.has_value() ? gr.dgv.to(x.gv->scalar_type()) : empty_grad(x.q);
   return {dq.to(x.q.scalar_type()),       dk.to(x.k.scalar_type()), gr.dv.to(x.v.scalar_type()),
-          dg.to(x.g.scalar_type()),       dbeta.to(x.beta.scalar_type()), dh0, dA_log, ddt_bias};
+          dg.to(x.g.scalar_type()),       dbeta.to(x.beta.scalar_type()), dh0, dA_log, ddt_bias, dgk, dgv};
 }
 
 }  // namespace gated_delta

@@ -117,7 +117,7 @@ def test_flash_linear_attention_names():
     o_ref, h_ref = gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True)
     o, h = gated_delta.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
     assert rel(o, o_ref) < 1e-10 and rel(h, h_ref) < 1e-10
-    o, h = gated_delta.fused_recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    o, h = gated_delta.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, output_final_state=True)
     assert rel(o, o_ref) < 1e-10 and rel(h, h_ref) < 1e-10
     o, _ = gated_delta.fused_recurrent_gated_delta_rule(q, k, v)
     o_ref, _ = gated_delta_rule_ref(q, k, v, torch.zeros_like(g), torch.ones_like(beta))

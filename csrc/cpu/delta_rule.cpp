@@ -41,7 +41,10 @@ Problem make_problem(const CoreArgs& a) {
 //    as threads) and there is enough chunk work to spread (at least 4 chunks per thread): the scan does about
 //    twice the work of the chunk algorithm but spreads one unit over every thread;
 //  - chunk otherwise.
-Algorithm resolve_algorithm(const Problem& p, Algorithm requested) {
+Algorithm resolve_algorithm(const Problem& p, const CoreArgs& a) {
+  const Algorithm requested = a.algorithm;
+  TORCH_CHECK(!a.has_kv_gates() || requested == Algorithm::Recurrent,
+              "gated_delta CPU: gk / gv need the recurrent algorithm, got ", algorithm_name(requested));
   if (requested != Algorithm::Auto) return requested;
   if (p.max_len <= 2) return Algorithm::Recurrent;
   const int64_t threads = at::get_num_threads();
@@ -91,7 +94,7 @@ at::Tensor sum_groups(const at::Tensor& d, int64_t H) {
 }
 
 struct Converted {
-  at::Tensor q, k, v, g, beta, h0;
+  at::Tensor q, k, v, g, beta, h0, gk, gv;
 };
 
 Converted convert(const CoreArgs& a) {
@@ -103,19 +106,21 @@ Converted convert(const CoreArgs& a) {
   c.g = heads_major3(a.g, sd);
   c.beta = heads_major3(a.beta, sd);
   if (a.initial_state.defined()) c.h0 = a.initial_state.to(sd).contiguous();
+  if (a.gk.defined()) c.gk = heads_major(a.gk, sd);
+  if (a.gv.defined()) c.gv = heads_major(a.gv, sd);
   return c;
 }
 
 template <typename T>
 cpu::Inputs<T> inputs_of(const Converted& c) {
-  return cpu::Inputs<T>{c.q.data_ptr<T>(), c.k.data_ptr<T>(),    c.v.data_ptr<T>(),
-                        c.g.data_ptr<T>(), c.beta.data_ptr<T>(), c.h0.defined() ? c.h0.data_ptr<T>() : nullptr};
+  auto ptr = [](const at::Tensor& t) -> const T* { return t.defined() ? t.data_ptr<T>() : nullptr; };
+  return cpu::Inputs<T>{ptr(c.q), ptr(c.k), ptr(c.v), ptr(c.g), ptr(c.beta), ptr(c.h0), ptr(c.gk), ptr(c.gv)};
 }
 
 template <typename T>
 CoreForward forward_impl(const CoreArgs& args, bool output_final_state) {
   const Problem p = make_problem(args);
-  const Algorithm algo = resolve_algorithm(p, args.algorithm);
+  const Algorithm algo = resolve_algorithm(p, args);
   const Converted c = convert(args);
   const cpu::Inputs<T> in = inputs_of<T>(c);
   const auto opts = args.v.options().dtype(args.state_dtype());
@@ -139,7 +144,7 @@ CoreForward forward_impl(const CoreArgs& args, bool output_final_state) {
 template <typename T>
 CoreGrads backward_impl(const CoreArgs& args, const at::Tensor& d_o, const at::Tensor& d_final_state) {
   const Problem p = make_problem(args);
-  const Algorithm algo = resolve_algorithm(p, args.algorithm);
+  const Algorithm algo = resolve_algorithm(p, args);
   const at::ScalarType sd = args.state_dtype();
   const Converted c = convert(args);
   const cpu::Inputs<T> in = inputs_of<T>(c);
@@ -155,8 +160,11 @@ CoreGrads backward_impl(const CoreArgs& args, const at::Tensor& d_o, const at::T
   at::Tensor dbeta = at::empty({p.B, p.HV, p.T}, opts);
   at::Tensor dh0;
   if (args.initial_state.defined()) dh0 = at::empty({p.N, p.HV, p.K, p.V}, opts);
-  const cpu::Grads<T> gr{dq.data_ptr<T>(), dk.data_ptr<T>(),    dv.data_ptr<T>(),
-                         dg.data_ptr<T>(), dbeta.data_ptr<T>(), dh0.defined() ? dh0.data_ptr<T>() : nullptr};
+  at::Tensor dgk, dgv;
+  if (args.gk.defined()) dgk = at::empty({p.B, p.HV, p.T, p.K}, opts);
+  if (args.gv.defined()) dgv = at::empty({p.B, p.HV, p.T, p.V}, opts);
+  auto ptr = [](const at::Tensor& t) -> T* { return t.defined() ? t.data_ptr<T>() : nullptr; };
+  const cpu::Grads<T> gr{ptr(dq), ptr(dk), ptr(dv), ptr(dg), ptr(dbeta), ptr(dh0), ptr(dgk), ptr(dgv)};
   const T* dop = do_heads.data_ptr<T>();
   const T* dhtp = dht.defined() ? dht.data_ptr<T>() : nullptr;
   switch (algo) {
@@ -171,6 +179,8 @@ CoreGrads backward_impl(const CoreArgs& args, const at::Tensor& d_o, const at::T
   r.dg = dg.permute({0, 2, 1}).contiguous();
   r.dbeta = dbeta.permute({0, 2, 1}).contiguous();
   r.d_initial_state = dh0;
+  if (dgk.defined()) r.dgk = dgk.permute({0, 2, 1, 3}).contiguous();
+  if (dgv.defined()) r.dgv = dgv.permute({0, 2, 1, 3}).contiguous();
   return r;
 }
 

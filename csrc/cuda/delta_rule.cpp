@@ -20,6 +20,10 @@
 
 namespace gated_delta {
 
+// The token-loop kernels, for per-key / per-value decays (delta_rule/recurrent_host.cpp).
+CoreForward recurrent_forward_cuda(const CoreArgs& a, bool output_final_state);
+CoreGrads recurrent_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state);
+
 namespace {
 
 using cuda::Params;
@@ -364,6 +368,7 @@ void run_state_pass(Call& c, bool reverse, int mode, const float* init, float* f
 
 CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
   c10::cuda::CUDAGuard guard(a.q.device());
+  if (a.has_kv_gates()) return recurrent_forward_cuda(a, output_final_state);
   Call c = begin_call(a);
   const WarmScratch warm = warm_scratch(c);
   const Prepared prep = run_prep(c, /*with_tm=*/false);
@@ -382,6 +387,7 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
 
 CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state) {
   c10::cuda::CUDAGuard guard(a.q.device());
+  if (a.has_kv_gates()) return recurrent_backward_cuda(a, d_o, d_final_state);
   Call c = begin_call(a);
   Params& p = c.p;
   const int64_t NC = c.L.NC, HV = p.HV, K = p.K, V = p.V;

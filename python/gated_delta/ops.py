@@ -40,6 +40,8 @@ def gated_delta_rule(
     algorithm: str = "auto",
     chunk_size: int = 64,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    gk: Optional[torch.Tensor] = None,
+    gv: Optional[torch.Tensor] = None,
     cp_group=None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule, per sequence and value head (query/key head h // (HV // H)):
@@ -60,6 +62,9 @@ def gated_delta_rule(
         use_gate_in_kernel: g <- -exp(A_log) * softplus(g + dt_bias), with A_log, dt_bias [HV].
         algorithm: "recurrent", "chunk", "scan" or "auto" (picked by device and shape).
         chunk_size: tokens per chunk for "chunk" and "scan".
+        gk, gv: optional per-key [B, T, HV, K] / per-value [B, T, HV, V] log decays, any float dtype: each step
+            also scales the state's rows by exp(gk_t) and its columns by exp(gv_t) before the delta update.
+            Algorithm "recurrent" only ("auto" picks it).
         cp_group: a torch.distributed process group over which the token dimension is split (context parallelism):
             each rank passes its slice, cu_seqlens are then the global offsets; see `gated_delta.cp`.
 
@@ -67,6 +72,9 @@ def gated_delta_rule(
         o [B, T, HV, V] in v's dtype, and the final state (or None when output_final_state is False).
     """
     if cp_group is not None:
+        if gk is not None or gv is not None:
+            raise ValueError("gk and gv (per-key / per-value decays) are not supported with cp_group: the context-"
+                             "parallel run composes the maps of the scalar-gated rule only")
         from .cp import cp_gated_delta_rule
         return cp_gated_delta_rule(
             cp_group, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
@@ -82,7 +90,7 @@ def gated_delta_rule(
     o, final_state = torch.ops.gated_delta.fwd(
         q, k, v, g, beta, float(scale), initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
         use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, use_gate_in_kernel, A_log, dt_bias,
-        algorithm, chunk_size)
+        algorithm, chunk_size, gk, gv)
     return o, (final_state if output_final_state else None)
 
 
@@ -112,6 +120,8 @@ def fused_recurrent_gated_delta_rule(
     k: torch.Tensor,
     v: torch.Tensor,
     g: Optional[torch.Tensor] = None,
+    gk: Optional[torch.Tensor] = None,
+    gv: Optional[torch.Tensor] = None,
     beta: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
@@ -121,7 +131,8 @@ def fused_recurrent_gated_delta_rule(
     **options,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """flash-linear-attention's `fused_recurrent_gated_delta_rule`: the token-by-token algorithm, the decode path.
-    g defaults to zeros (no decay) and beta to ones, as there."""
+    g defaults to zeros (no decay) and beta to ones, as there; gk [B, T, HV, K] and gv [B, T, HV, V] are optional
+    per-key / per-value log decays of the state's rows and columns (differentiable, unlike flash-linear-attention's)."""
     if g is None:
         g = torch.zeros(v.shape[:3], dtype=torch.float32, device=v.device)
     if beta is None:
@@ -129,7 +140,7 @@ def fused_recurrent_gated_delta_rule(
     options.setdefault("algorithm", "recurrent")
     return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **options)
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gk=gk, gv=gv, **options)
 
 
 # ---- fake (meta) kernels: shapes and dtypes of every op's outputs, for torch.compile and opcheck ----
@@ -148,9 +159,9 @@ def _check_devices(q, **tensors):
 @torch.library.register_fake("gated_delta::fwd")
 def _fwd_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
               use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, use_gate_in_kernel, A_log,
-              dt_bias, algorithm, chunk_size):
+              dt_bias, algorithm, chunk_size, gk=None, gv=None):
     _check_devices(q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens, A_log=A_log,
-                   dt_bias=dt_bias)
+                   dt_bias=dt_bias, gk=gk, gv=gv)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
@@ -165,9 +176,9 @@ def _fwd_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
 @torch.library.register_fake("gated_delta::bwd")
 def _bwd_fake(d_o, d_final_state, q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
               use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, use_gate_in_kernel, A_log,
-              dt_bias, algorithm, chunk_size):
+              dt_bias, algorithm, chunk_size, gk=None, gv=None):
     _check_devices(q, d_o=d_o, d_final_state=d_final_state, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
-                   cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias)
+                   cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv)
     empty = lambda: q.new_empty((0,), dtype=_state_dtype(q))  # noqa: E731
     return (
         q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
@@ -175,4 +186,6 @@ def _bwd_fake(d_o, d_final_state, q, k, v, g, beta, scale, initial_state, cu_seq
         initial_state.new_empty(initial_state.shape) if initial_state is not None else empty(),
         A_log.new_empty(A_log.shape) if A_log is not None else empty(),
         dt_bias.new_empty(dt_bias.shape) if dt_bias is not None else empty(),
+        gk.new_empty(gk.shape) if gk is not None else empty(),
+        gv.new_empty(gv.shape) if gv is not None else empty(),
     )

@@ -5,6 +5,7 @@
 // made once by cpu/delta_rule.cpp, laid out so that each (sequence, value head) unit reads contiguous rows:
 //   q, k:        [B, H, T, K]      v, o, d_o:  [B, HV, T, V]      g, beta:  [B, HV, T]
 //   states:      [N, HV, K, V]     (initial state, final state, their gradients)
+//   gk, dgk:     [B, HV, T, K]     gv, dgv:  [B, HV, T, V]     (per-key / per-value decays, recurrent only)
 //   dq, dk:      [B, HV, T, K]     per VALUE head; cpu/delta_rule.cpp sums each group in a fixed order afterwards.
 #pragma once
 
@@ -73,6 +74,9 @@ template <typename T>
 struct Inputs {
   const T *q, *k, *v, *g, *beta;
   const T* h0;  // [N, HV, K, V] or nullptr (zero initial state)
+  // per-key / per-value log decays [B, HV, T, K] / [B, HV, T, V], or nullptr (recurrent algorithm only)
+  const T* gk = nullptr;
+  const T* gv = nullptr;
 };
 
 template <typename T>
@@ -81,6 +85,8 @@ struct Grads {
   T* dv;          // [B, HV, T, V]
   T *dg, *dbeta;  // [B, HV, T]
   T* dh0;         // [N, HV, K, V] or nullptr (not wanted)
+  T* dgk = nullptr;  // [B, HV, T, K] or nullptr (no gk)
+  T* dgv = nullptr;  // [B, HV, T, V] or nullptr (no gv)
 };
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -36,12 +36,16 @@ struct UnitArgs {
   const T *g, *beta;  // len
   const T* h0;        // K x V or null
   T scale;
+  const T* gk = nullptr;  // len x K or null
+  const T* gv = nullptr;  // len x V or null
 };
 
 template <typename T>
 struct UnitGrads {
   T *dq, *dk, *dv, *dg, *dbeta;
   T* dh0;  // or null
+  T* dgk = nullptr;  // len x K, or null (no gk)
+  T* dgv = nullptr;  // len x V, or null (no gv)
 };
 
 namespace base {
@@ -73,7 +77,7 @@ bool use_avx2() {
 
 template <typename T>
 UnitArgs<T> unit_args(const Problem& p, const Inputs<T>& in, const Unit& u) {
-  return UnitArgs<T>{u.len,
+  UnitArgs<T> a{u.len,
                      p.K,
                      p.V,
                      in.q + p.qk_off(u),
@@ -83,6 +87,9 @@ UnitArgs<T> unit_args(const Problem& p, const Inputs<T>& in, const Unit& u) {
                      in.beta + p.gb_off(u),
                      in.h0 ? in.h0 + p.state_off(u) : nullptr,
                      static_cast<T>(p.scale)};
+  a.gk = in.gk ? in.gk + p.dqk_off(u) : nullptr;
+  a.gv = in.gv ? in.gv + p.v_off(u) : nullptr;
+  return a;
 }
 
 }  // namespace
@@ -93,7 +100,7 @@ void recurrent_forward(const Problem& p, const Inputs<T>& in, T* o, T* ht) {
   const auto order = p.units_longest_first();
   const bool avx2 = use_avx2();
   parallel_items(
-      static_cast<int64_t>(order.size()), [&] { return std::vector<T>(2 * KV + 2 * p.V); },
+      static_cast<int64_t>(order.size()), [&] { return std::vector<T>(2 * KV + 3 * p.V + p.K); },
       [&](std::vector<T>& work, int64_t idx) {
         const Unit& u = p.units[order[idx]];
         const UnitArgs<T> a = unit_args(p, in, u);
@@ -120,7 +127,7 @@ void recurrent_backward(const Problem& p, const Inputs<T>& in, const T* d_o, con
       [&] {
         Work w;
         w.D.resize(KV);
-        w.scratch.resize(4 * V);
+        w.scratch.resize(6 * V + K);
         return w;
       },
       [&](Work& w, int64_t idx) {
@@ -131,8 +138,10 @@ void recurrent_backward(const Problem& p, const Inputs<T>& in, const T* d_o, con
         }
         if (static_cast<int64_t>(w.seg.size()) < (L + 1) * KV) w.seg.resize((L + 1) * KV);
         const UnitArgs<T> a = unit_args(p, in, u);
-        const UnitGrads<T> g{gr.dq + p.dqk_off(u), gr.dk + p.dqk_off(u), gr.dv + p.v_off(u),
-                             gr.dg + p.gb_off(u),  gr.dbeta + p.gb_off(u), gr.dh0 ? gr.dh0 + p.state_off(u) : nullptr};
+        UnitGrads<T> g{gr.dq + p.dqk_off(u), gr.dk + p.dqk_off(u), gr.dv + p.v_off(u),
+                       gr.dg + p.gb_off(u),  gr.dbeta + p.gb_off(u), gr.dh0 ? gr.dh0 + p.state_off(u) : nullptr};
+        g.dgk = gr.dgk ? gr.dgk + p.dqk_off(u) : nullptr;
+        g.dgv = gr.dgv ? gr.dgv + p.v_off(u) : nullptr;
         const T* dou = d_o + p.v_off(u);
         const T* dhu = dht ? dht + p.state_off(u) : nullptr;
 #if GATED_DELTA_AVX2_DISPATCH
