@@ -117,11 +117,11 @@ def test_cuda_graph_replay_matches_eager():
     d_o = torch.randn(B, T, HV, V, device="cuda").to(torch.bfloat16)
     d_ht = torch.randn(B, HV, K, V, device="cuda")
     args = lambda: (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], K ** -0.5, inp["initial_state"])  # noqa
-    rest_f = (True, None, None, False, False, False, False, None, None, "chunk", 64)
+    rest_f = (True, False, None, None, False, False, False, False, None, None, "chunk", 64)
 
     def step():
         o, ht = torch.ops.gated_delta.fwd(*args(), *rest_f)
-        grads = torch.ops.gated_delta.bwd(d_o, d_ht, *args(), None, None, False, False, False, False, None, None,
+        grads = torch.ops.gated_delta.bwd(d_o, d_ht, *args(), False, None, None, False, False, False, False, None, None,
                                           "chunk", 64)
         return (o, ht) + tuple(grads[:6])
 
