@@ -138,10 +138,10 @@ def test_cuda_graph_replay_matches_eager():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("K,V", [(32, 64), (64, 96), (512, 64)])
+@pytest.mark.parametrize("K,V", [(512, 64), (64, 320)])
 def test_unsupported_head_dims_raise(K, V):
     inp = make_inputs(1, 8, 1, 1, K, V, torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"K and V in \{64, 128, 256\}"):
+    with pytest.raises(RuntimeError, match=r"K and V up to 256"):
         run_ours(inp, grads=False)
 
 
