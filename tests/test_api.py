@@ -75,11 +75,11 @@ def test_bad_input_names_the_argument(case):
 def test_bad_input_in_the_raw_op():
     q, k, v, g, beta = make_inputs()
     with pytest.raises(RuntimeError, match="chunk_size must be >= 1, got -3"):
-        torch.ops.gated_delta.fwd(q, k, v, g, beta, 1.0, None, False, False, None, None, False, False, False, False, None,
-                                  None, "chunk", -3)
+        torch.ops.gated_delta.fwd(q, k, v, g, beta, 1.0, None, False, False, None, None, False, False, False, False,
+                                  None, None, "chunk", -3)
     with pytest.raises(RuntimeError, match="algorithm must be one of 'auto', 'recurrent', 'chunk', 'scan', got 'x'"):
-        torch.ops.gated_delta.fwd(q, k, v, g, beta, 1.0, None, False, False, None, None, False, False, False, False, None,
-                                  None, "x", 64)
+        torch.ops.gated_delta.fwd(q, k, v, g, beta, 1.0, None, False, False, None, None, False, False, False, False,
+                                  None, None, "x", 64)
 
 
 # ---------------------------------------------------------------- API behaviour

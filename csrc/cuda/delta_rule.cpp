@@ -241,7 +241,8 @@ Call begin_call(const CoreArgs& a) {
 
 // The shape of the caller's states (initial, final and their gradients) in their layout.
 std::vector<int64_t> state_dims(const Call& c, bool v_first) {
-  return v_first ? std::vector<int64_t>{c.L.N, c.p.HV, c.p.V, c.p.K} : std::vector<int64_t>{c.L.N, c.p.HV, c.p.K, c.p.V};
+  const int64_t N = c.L.N, HV = c.p.HV, K = c.p.K, V = c.p.V;
+  return v_first ? std::vector<int64_t>{N, HV, V, K} : std::vector<int64_t>{N, HV, K, V};
 }
 
 // The preparation's outputs W, U, A, gam (and Tm, for the backward), allocated and computed.
