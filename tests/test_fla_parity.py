@@ -348,3 +348,22 @@ def test_gated_delta_rule_keeps_its_signature():
     o2, h2 = gated_delta.gated_delta_rule(**kw, initial_state=h0.transpose(-1, -2), output_final_state=True,
                                           state_v_first=True)
     assert torch.equal(o1, o2) and torch.equal(h1, h2.transpose(-1, -2))
+
+
+# ---------------------------------------------------------------- the ops with the new arguments (fake kernels)
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck_state_v_first_mixed_dtypes(requires_grad):
+    x = draw(16, B=1, T=11, K=8, V=6, gate=True)
+    q, k = x["q"], x["k"]  # float64
+    v = x["v"].float().requires_grad_(requires_grad)
+    h0 = x["initial_state"].transpose(-1, -2).contiguous().to(BF16).requires_grad_(requires_grad)
+    A_log = x["A_log"].float().requires_grad_(requires_grad)
+    args = (q.requires_grad_(requires_grad), k.requires_grad_(requires_grad), v, x["g"].to(F16), x["beta"].float(),
+            0.3, h0, True, True, None, None, True, False, False, True, A_log, None, "chunk", 4)
+    torch.library.opcheck(torch.ops.gated_delta.fwd.default, args)
+    o, ht = torch.ops.gated_delta.fwd(*args)
+    assert o.dtype == F32 and ht.dtype == F64 and ht.shape == (1, 2, 6, 8)
+    if not requires_grad:
+        d_o, d_ht = torch.randn_like(o), torch.randn(1, 2, 6, 8, dtype=F32)
+        torch.library.opcheck(torch.ops.gated_delta.bwd.default, (d_o, d_ht) + args[:7] + args[8:])
