@@ -59,7 +59,7 @@ struct QKVSizes {
   int64_t B, T, H, K, HV, V;
 };
 
-// q, k [B, T, H, K] and v [B, T, HV, V] with HV a multiple of H, one float dtype, one device.
+// q, k [B, T, H, K] (one float dtype) and v [B, T, HV, V] (a float dtype) with HV a multiple of H, one device.
 QKVSizes check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(q.dim() == 4, "q must have shape [B, T, H, K] (4 dimensions), got ", shape_str(q));
   TORCH_CHECK(is_float_dtype(q.scalar_type()), "q must be float64, float32, bfloat16 or float16, got ",
@@ -76,7 +76,7 @@ QKVSizes check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   TORCH_CHECK(V >= 1, "v must have V >= 1, got ", shape_str(v));
   TORCH_CHECK(k.scalar_type() == q.scalar_type(), "k must have the dtype of q (", q.scalar_type(), "), got ",
               k.scalar_type());
-  TORCH_CHECK(v.scalar_type() == q.scalar_type(), "v must have the dtype of q (", q.scalar_type(), "), got ",
+  TORCH_CHECK(is_float_dtype(v.scalar_type()), "v must be float64, float32, bfloat16 or float16, got ",
               v.scalar_type());
   check_device_as(q, "q", k, "k");
   check_device_as(q, "q", v, "v");
@@ -97,13 +97,17 @@ void check_head_param(const at::Tensor& q, const at::Tensor& x, const char* name
   TORCH_CHECK(is_float_dtype(x.scalar_type()), name, " must be a floating-point tensor, got ", x.scalar_type());
 }
 
-// A recurrent state of shape `shape` ([N, HV, K, V] or [B, HV, K, V]) in the state dtype of q.
-void check_state(const at::Tensor& q, const at::Tensor& h, const char* name, const char* shape, const QKVSizes& s,
-                 int64_t N) {
+// A recurrent state [N, HV, K, V] (with state_v_first [N, HV, V, K]; `shape` names the dims) on q's device.
+void check_state_shape(const at::Tensor& q, const at::Tensor& h, const char* name, const char* shape,
+                       const QKVSizes& s, int64_t N, bool state_v_first = false) {
   check_device_as(q, "q", h, name);
-  TORCH_CHECK(h.dim() == 4 && h.size(0) == N && h.size(1) == s.HV && h.size(2) == s.K && h.size(3) == s.V, name,
-              " must have shape ", shape, " = [", N, ", ", s.HV, ", ", s.K, ", ", s.V,
-              "], got ", shape_str(h));
+  const int64_t d2 = state_v_first ? s.V : s.K, d3 = state_v_first ? s.K : s.V;
+  TORCH_CHECK(h.dim() == 4 && h.size(0) == N && h.size(1) == s.HV && h.size(2) == d2 && h.size(3) == d3, name,
+              " must have shape ", shape, " = [", N, ", ", s.HV, ", ", d2, ", ", d3, "], got ", shape_str(h));
+}
+
+// A state read and written in place: exactly the state dtype of q.
+void check_state_dtype(const at::Tensor& q, const at::Tensor& h, const char* name) {
   const at::ScalarType sd = acc_dtype(q.scalar_type());
   TORCH_CHECK(h.scalar_type() == sd, name, " must be ", sd, " (the state dtype for ", q.scalar_type(),
               " inputs), got ", h.scalar_type());
@@ -120,14 +124,22 @@ void check_kv_gate(const at::Tensor& q, const c10::optional<at::Tensor>& x, cons
   TORCH_CHECK(is_float_dtype(x->scalar_type()), name, " must be a floating-point tensor, got ", x->scalar_type());
 }
 
+// A state that is only read (converted to the state dtype): any float dtype.
+void check_state_float(const at::Tensor& h, const char* name) {
+  TORCH_CHECK(is_float_dtype(h.scalar_type()), name, " must be a floating-point tensor, got ", h.scalar_type());
+}
+
+const char* state_dims(bool state_v_first) { return state_v_first ? "[N, HV, V, K]" : "[N, HV, K, V]"; }
+
 }  // namespace
 
 Sizes check_delta_rule_args(const DeltaRuleArgs& a) {
   const QKVSizes s = check_qkv(a.q, a.k, a.v);
   check_device_as(a.q, "q", a.g, "g");
   check_device_as(a.q, "q", a.beta, "beta");
-  if (a.q.scalar_type() == at::kDouble) {
-    TORCH_CHECK(a.q.device().is_cpu(), "float64 inputs are supported on the CPU only, got q on ", a.q.device());
+  if (a.q.scalar_type() == at::kDouble || a.v.scalar_type() == at::kDouble) {
+    TORCH_CHECK(a.q.device().is_cpu(), "float64 inputs are supported on the CPU only, got q (", a.q.scalar_type(),
+                ") and v (", a.v.scalar_type(), ") on ", a.q.device());
   }
   check_token_scalar(a.g, "g", s);
   check_token_scalar(a.beta, "beta", s);
@@ -151,11 +163,12 @@ Sizes check_delta_rule_args(const DeltaRuleArgs& a) {
   } else {
     TORCH_CHECK(!a.cu_seqlens_cpu.has_value(), "cu_seqlens_cpu was given without cu_seqlens");
   }
-  if (a.initial_state.has_value()) check_state(a.q, *a.initial_state, "initial_state", "[N, HV, K, V]", s, N);
-  if (a.use_gate_in_kernel) {
-    TORCH_CHECK(a.A_log.has_value(), "use_gate_in_kernel=True requires A_log, got None");
-    TORCH_CHECK(a.dt_bias.has_value(), "use_gate_in_kernel=True requires dt_bias, got None");
+  if (a.initial_state.has_value()) {
+    check_state_shape(a.q, *a.initial_state, "initial_state", state_dims(a.state_v_first), s, N, a.state_v_first);
+    check_state_float(*a.initial_state, "initial_state");
   }
+  // (dt_bias is optional: without it the gate is -exp(A_log) * softplus(g))
+  if (a.use_gate_in_kernel) TORCH_CHECK(a.A_log.has_value(), "use_gate_in_kernel=True requires A_log, got None");
   if (a.A_log.has_value()) {
     TORCH_CHECK(a.use_gate_in_kernel, "A_log is only used with use_gate_in_kernel=True");
     check_head_param(a.q, *a.A_log, "A_log", s.HV);
@@ -182,10 +195,9 @@ at::Tensor check_delta_rule_grads(const DeltaRuleArgs& a, const Sizes& s, const 
   check_device_as(a.q, "q", d_o, "d_o");
   if (!d_final_state.has_value() || d_final_state->numel() == 0) return at::Tensor();
   const at::Tensor& dht = *d_final_state;
-  check_device_as(a.q, "q", dht, "d_final_state");
-  TORCH_CHECK(dht.dim() == 4 && dht.size(0) == s.N && dht.size(1) == s.HV && dht.size(2) == s.K && dht.size(3) == s.V,
-              "d_final_state must have shape [N, HV, K, V] = [", s.N, ", ", s.HV, ", ", s.K, ", ", s.V, "], got ",
-              shape_str(dht));
+  const QKVSizes qs{s.B, s.T, s.H, s.K, s.HV, s.V};
+  check_state_shape(a.q, dht, "d_final_state", state_dims(a.state_v_first), qs, s.N, a.state_v_first);
+  check_state_float(dht, "d_final_state");
   return dht;
 }
 
@@ -296,7 +308,10 @@ DecodeSizes check_decode_step_args(const at::Tensor& q, const at::Tensor& k, con
   check_token_scalar(b, "b", s);
   check_head_param(q, A_log, "A_log", s.HV);
   check_head_param(q, dt_bias, "dt_bias", s.HV);
-  check_state(q, state, "state", "[B, HV, K, V]", s, s.B);
+  TORCH_CHECK(v.scalar_type() == q.scalar_type(), "v must have the dtype of q (", q.scalar_type(), "), got ",
+              v.scalar_type());
+  check_state_shape(q, state, "state", "[B, HV, K, V]", s, s.B);
+  check_state_dtype(q, state, "state");
   TORCH_CHECK(state.is_contiguous(), "state must be contiguous (it is updated in place), got strides ",
               state.strides());
   TORCH_CHECK(std::isfinite(scale), "scale must be a finite number, got ", scale);

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace gated_delta {
 
@@ -23,6 +24,9 @@ inline bool is_float_dtype(at::ScalarType s) {
 
 // The accumulation (and recurrent state) dtype of an input dtype: float64 for float64, float32 otherwise.
 inline at::ScalarType acc_dtype(at::ScalarType s) { return s == at::kDouble ? at::kDouble : at::kFloat; }
+
+// The dtype the gated delta rule computes in when q/k and v differ: the wider of the two (bf16 with fp16: fp32).
+inline at::ScalarType compute_dtype(at::ScalarType qk, at::ScalarType v) { return c10::promoteTypes(qk, v); }
 
 // Tensors of one call must share a device; ref_name names the reference argument in the message.
 void check_device_as(const at::Tensor& ref, const char* ref_name, const at::Tensor& t, const char* name);
@@ -42,6 +46,11 @@ void check_cu_seqlens_values(const at::Tensor& cu_host, int64_t T, const char* n
 struct Sizes {
   int64_t B, T, H, HV, K, V, N;
 };
+
+// The shape of a recurrent state: [N, HV, K, V], or [N, HV, V, K] when state_v_first.
+inline std::vector<int64_t> state_shape(const Sizes& s, bool state_v_first) {
+  return state_v_first ? std::vector<int64_t>{s.N, s.HV, s.V, s.K} : std::vector<int64_t>{s.N, s.HV, s.K, s.V};
+}
 
 Sizes check_delta_rule_args(const DeltaRuleArgs& a);
 // The gradients given to bwd; returns d_final_state, or an undefined tensor when absent or empty.

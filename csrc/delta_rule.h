@@ -32,8 +32,9 @@ using OptTensor = c10::optional<at::Tensor>;
 struct DeltaRuleArgs {
   at::Tensor q, k, v, g, beta;     // [B, T, H, K] x2, [B, T, HV, V], [B, T, HV] x2
   double scale = 1.0;
-  OptTensor initial_state;         // [N, HV, K, V] in the state dtype
+  OptTensor initial_state;         // [N, HV, K, V] (or [N, HV, V, K]), any float dtype
   bool output_final_state = false;  // fwd only
+  bool state_v_first = false;      // states (initial, final, their gradients) laid out [N, HV, V, K]
   OptTensor cu_seqlens;            // [N + 1] offsets of a packed batch (B = 1)
   OptTensor cu_seqlens_cpu;        // a host copy of cu_seqlens
   bool use_qk_l2norm_in_kernel = false;
@@ -53,13 +54,15 @@ struct DeltaRuleArgs {
   static auto fwd_fields_of(Self& a) {
     return std::tie(a.q, a.k, a.v, a.g, a.beta, a.scale, a.initial_state, a.output_final_state, a.cu_seqlens,
                     a.cu_seqlens_cpu, a.use_qk_l2norm_in_kernel, a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval,
-                    a.use_gate_in_kernel, a.A_log, a.dt_bias, a.algorithm, a.chunk_size, a.gk, a.gv);
+                    a.use_gate_in_kernel, a.A_log, a.dt_bias, a.algorithm, a.chunk_size, a.gk, a.gv,
+                    a.state_v_first);
   }
   template <class Self>
   static auto bwd_fields_of(Self& a) {
     return std::tie(a.q, a.k, a.v, a.g, a.beta, a.scale, a.initial_state, a.cu_seqlens, a.cu_seqlens_cpu,
                     a.use_qk_l2norm_in_kernel, a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval,
-                    a.use_gate_in_kernel, a.A_log, a.dt_bias, a.algorithm, a.chunk_size, a.gk, a.gv);
+                    a.use_gate_in_kernel, a.A_log, a.dt_bias, a.algorithm, a.chunk_size, a.gk, a.gv,
+                    a.state_v_first);
   }
   auto fwd_fields() { return fwd_fields_of(*this); }
   auto fwd_fields() const { return fwd_fields_of(*this); }
@@ -170,6 +173,9 @@ struct CoreArgs {
   at::Tensor g, beta;
   // [N, HV, K, V] float32 (float64 for float64 inputs), or undefined for a zero initial state.
   at::Tensor initial_state;
+  // Every state the core reads or writes (initial_state, final_state, d_final_state, d_initial_state) is laid out
+  // [N, HV, V, K] instead: a backend reads and writes that layout in place or transposes (state_k_first).
+  bool state_v_first = false;
   // [N + 1] int64 on the inputs' device, or undefined (then N = B and every sequence has length T).
   at::Tensor cu_seqlens;
   // Host copy of cu_seqlens ([N + 1] int64 on the CPU), or undefined. Always defined when cu_seqlens is defined
@@ -195,6 +201,12 @@ struct CoreArgs {
   int64_t num_seqs() const { return cu_seqlens.defined() ? cu_seqlens.size(0) - 1 : q.size(0); }
   at::ScalarType state_dtype() const { return acc_dtype(v.scalar_type()); }
 };
+
+// The [N, HV, K, V] view of a state in the layout given by state_v_first (a transpose is its own inverse: the same
+// call turns a [K, V]-first result into the caller's layout).
+inline at::Tensor state_k_first(const at::Tensor& state, bool state_v_first) {
+  return state_v_first ? state.transpose(-1, -2) : state;
+}
 
 struct CoreForward {
   at::Tensor o;            // [B, T, HV, V], dtype of v
@@ -234,21 +246,24 @@ inline Preprocessed preprocess(const DeltaRuleArgs& x) {
   Preprocessed p;
   CoreArgs& a = p.core;
   a.algorithm = parse_algorithm(x.algorithm);
-  const at::ScalarType cd = acc_dtype(x.q.scalar_type());
+  // q, k and v may differ in dtype: the core computes in the wider one (the output and every gradient are cast
+  // back to their input's dtype); g, beta, A_log, dt_bias and the state are read in the state dtype cd.
+  const at::ScalarType xd = compute_dtype(x.q.scalar_type(), x.v.scalar_type());
+  const at::ScalarType cd = acc_dtype(xd);
   if (x.use_qk_l2norm_in_kernel) {
     auto unit = [&](const at::Tensor& t, at::Tensor& rnorm, at::Tensor& tu) {
       auto tf = t.to(cd);
       rnorm = at::rsqrt(tf.mul(tf).sum(-1, /*keepdim=*/true).add_(kL2NormEps));
       tu = tf * rnorm;
-      return tu.to(t.scalar_type());
+      return tu.to(xd);
     };
     a.q = unit(x.q, p.q_rnorm, p.q_unit);
     a.k = unit(x.k, p.k_rnorm, p.k_unit);
   } else {
-    a.q = x.q;
-    a.k = x.k;
+    a.q = x.q.to(xd);
+    a.k = x.k.to(xd);
   }
-  a.v = x.v;
+  a.v = x.v.to(xd);
   if (x.use_beta_sigmoid_in_kernel) {
     p.beta_sig = at::sigmoid(x.beta.to(cd));
     a.beta = x.allow_neg_eigval ? p.beta_sig * 2.0 : p.beta_sig;
@@ -256,7 +271,7 @@ inline Preprocessed preprocess(const DeltaRuleArgs& x) {
     a.beta = x.beta.to(cd);
   }
   if (x.use_gate_in_kernel) {
-    p.gate_arg = x.g.to(cd) + x.dt_bias->to(cd);
+    p.gate_arg = x.dt_bias.has_value() ? x.g.to(cd) + x.dt_bias->to(cd) : x.g.to(cd);
     a.g = at::softplus(p.gate_arg).mul_(at::exp(x.A_log->to(cd)).neg_());
   } else {
     a.g = x.g.to(cd);
@@ -264,7 +279,8 @@ inline Preprocessed preprocess(const DeltaRuleArgs& x) {
   if (x.gk.has_value()) a.gk = x.gk->to(cd);
   if (x.gv.has_value()) a.gv = x.gv->to(cd);
   if (a.has_kv_gates()) a.algorithm = Algorithm::Recurrent;  // (checks allow only "auto" and "recurrent")
-  if (x.initial_state.has_value()) a.initial_state = *x.initial_state;
+  if (x.initial_state.has_value()) a.initial_state = x.initial_state->to(cd);  // read in the state dtype
+  a.state_v_first = x.state_v_first;
   if (x.cu_seqlens.has_value()) {
     a.cu_seqlens = x.cu_seqlens->to(at::kLong);
     if (x.cu_seqlens_cpu.has_value()) {
@@ -292,7 +308,8 @@ FwdResult fwd_impl(const DeltaRuleArgs& x) {
   if (s.T == 0) {
     at::Tensor ht;
     if (x.output_final_state) {
-      ht = x.initial_state.has_value() ? x.initial_state->clone() : at::zeros({s.N, s.HV, s.K, s.V}, state_opts);
+      ht = p.core.initial_state.defined() ? p.core.initial_state.clone()
+                                          : at::zeros(state_shape(s, x.state_v_first), state_opts);
     } else {
       ht = at::empty({0}, state_opts);
     }
@@ -300,7 +317,7 @@ FwdResult fwd_impl(const DeltaRuleArgs& x) {
   }
   CoreForward r = CoreFwd(p.core, x.output_final_state);
   at::Tensor ht = x.output_final_state ? r.final_state : at::empty({0}, state_opts);
-  return {r.o, ht};
+  return {r.o.to(x.v.scalar_type()), ht};
 }
 
 template <CoreGrads (*CoreBwd)(const CoreArgs&, const at::Tensor&, const at::Tensor&)>
@@ -347,7 +364,8 @@ BwdResult bwd_impl(const at::Tensor& d_o, const OptTensor& d_final_state, const 
     // g = -exp(A_log) softplus(g_raw + dt_bias)
     auto dgx = dg * at::sigmoid(p.gate_arg) * at::exp(x.A_log->to(sd)).neg();
     dA_log = (dg * p.core.g).sum(at::IntArrayRef{0, 1}).to(x.A_log->scalar_type());
-    ddt_bias = dgx.sum(at::IntArrayRef{0, 1}).to(x.dt_bias->scalar_type());
+    ddt_bias = x.dt_bias.has_value() ? dgx.sum(at::IntArrayRef{0, 1}).to(x.dt_bias->scalar_type())
+                                     : empty_grad(x.q);
     dg = dgx;
   } else {
     dA_log = empty_grad(x.q);

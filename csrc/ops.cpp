@@ -13,23 +13,25 @@ extern "C" PyObject* PyInit__C(void) {
 #endif
 
 TORCH_LIBRARY(gated_delta, m) {
-  // Forward of the gated delta rule. final_state is an empty tensor unless output_final_state.
+  // Forward of the gated delta rule. final_state is an empty tensor unless output_final_state. state_v_first: the
+  // states (initial, final and their gradients in bwd) are [N, HV, V, K] instead of [N, HV, K, V].
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor? initial_state, "
       "bool output_final_state, Tensor? cu_seqlens, Tensor? cu_seqlens_cpu, bool use_qk_l2norm_in_kernel, "
       "bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, bool use_gate_in_kernel, Tensor? A_log, "
-      "Tensor? dt_bias, str algorithm, int chunk_size, Tensor? gk=None, Tensor? gv=None) -> (Tensor o, "
-      "Tensor final_state)");
+      "Tensor? dt_bias, str algorithm, int chunk_size, Tensor? gk=None, Tensor? gv=None, bool state_v_first=False) -> "
+      "(Tensor o, Tensor final_state)");
   // gk [B, T, HV, K] / gv [B, T, HV, V]: per-key / per-value log decays (algorithm "recurrent" or "auto").
+  // Arguments after chunk_size have defaults, so that calls written before them keep working.
   // Backward: gradients of every differentiable input. Gradients of absent inputs (initial_state, A_log,
   // dt_bias, gk, gv) are empty tensors. When use_gate_in_kernel, dg is the gradient of g_raw.
   m.def(
       "bwd(Tensor d_o, Tensor? d_final_state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, "
       "Tensor? initial_state, Tensor? cu_seqlens, Tensor? cu_seqlens_cpu, bool use_qk_l2norm_in_kernel, "
       "bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, bool use_gate_in_kernel, Tensor? A_log, "
-      "Tensor? dt_bias, str algorithm, int chunk_size, Tensor? gk=None, Tensor? gv=None) -> (Tensor dq, "
-      "Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor d_initial_state, Tensor dA_log, Tensor ddt_bias, "
-      "Tensor dgk, Tensor dgv)");
+      "Tensor? dt_bias, str algorithm, int chunk_size, Tensor? gk=None, Tensor? gv=None, bool state_v_first=False) -> "
+      "(Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor d_initial_state, Tensor dA_log, "
+      "Tensor ddt_bias, Tensor dgk, Tensor dgv)");
   // --- layer ops (short convolution, gated RMSNorm, decode) are defined below this line ---
   // Causal depthwise short convolution over time, + SiLU when use_silu: x [B, T, D], weight [D, W], bias [D],
   // initial_state [N, D, W-1] (the last W-1 inputs before each sequence, oldest first), cu_seqlens [N + 1].

@@ -31,14 +31,14 @@ BAD_CASES = {
     "HV not multiple": (lambda a: a.update(v=torch.randn(1, 9, 3, 6, dtype=torch.float64)),
                         "HV a multiple of H=2, got [1, 9, 3, 6]"),
     "k dtype": (lambda a: a.update(k=a["k"].float()), "k must have the dtype of q"),
-    "v dtype": (lambda a: a.update(v=a["v"].float()), "v must have the dtype of q"),
+    "v int": (lambda a: a.update(v=a["v"].long()), "v must be float64, float32, bfloat16 or float16"),
     "g shape": (lambda a: a.update(g=a["g"][..., :2]), "g must have shape [B, T, HV]"),
     "beta shape": (lambda a: a.update(beta=a["beta"][:, :3]), "beta must have shape [B, T, HV]"),
     "q int": (lambda a: a.update(q=a["q"].long()), "q must be float64, float32, bfloat16 or float16"),
     "initial_state shape": (lambda a: a.update(initial_state=torch.zeros(1, 4, 8, 5, dtype=torch.float64)),
                             "initial_state must have shape [N, HV, K, V] = [1, 4, 8, 6]"),
-    "initial_state dtype": (lambda a: a.update(initial_state=torch.zeros(1, 4, 8, 6, dtype=torch.float32)),
-                            "initial_state must be Double"),
+    "initial_state dtype": (lambda a: a.update(initial_state=torch.zeros(1, 4, 8, 6, dtype=torch.int32)),
+                            "initial_state must be a floating-point tensor, got Int"),
     "cu_seqlens with B != 1": (lambda a: a.update(**{k_: torch.cat([a[k_], a[k_]]) for k_ in "q k v g beta".split()},
                                                   cu_seqlens=torch.tensor([0, 4, 9])),
                                "cu_seqlens requires a packed batch with B = 1, got B = 2"),
@@ -75,11 +75,11 @@ def test_bad_input_names_the_argument(case):
 def test_bad_input_in_the_raw_op():
     q, k, v, g, beta = make_inputs()
     with pytest.raises(RuntimeError, match="chunk_size must be >= 1, got -3"):
-        torch.ops.gated_delta.fwd(q, k, v, g, beta, 1.0, None, False, None, None, False, False, False, False, None,
-                                  None, "chunk", -3)
+        torch.ops.gated_delta.fwd(q, k, v, g, beta, 1.0, None, False, None, None, False, False, False, False,
+                                  None, None, "chunk", -3)
     with pytest.raises(RuntimeError, match="algorithm must be one of 'auto', 'recurrent', 'chunk', 'scan', got 'x'"):
-        torch.ops.gated_delta.fwd(q, k, v, g, beta, 1.0, None, False, None, None, False, False, False, False, None,
-                                  None, "x", 64)
+        torch.ops.gated_delta.fwd(q, k, v, g, beta, 1.0, None, False, None, None, False, False, False, False,
+                                  None, None, "x", 64)
 
 
 # ---------------------------------------------------------------- API behaviour
@@ -117,7 +117,7 @@ def test_flash_linear_attention_names():
     o_ref, h_ref = gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True)
     o, h = gated_delta.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
     assert rel(o, o_ref) < 1e-10 and rel(h, h_ref) < 1e-10
-    o, h = gated_delta.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, output_final_state=True)
+    o, h = gated_delta.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, output_final_state=True)  # FLA order
     assert rel(o, o_ref) < 1e-10 and rel(h, h_ref) < 1e-10
     o, _ = gated_delta.fused_recurrent_gated_delta_rule(q, k, v)
     o_ref, _ = gated_delta_rule_ref(q, k, v, torch.zeros_like(g), torch.ones_like(beta))
@@ -170,7 +170,7 @@ def test_opcheck_bwd(options):
     args = _op_args(False, options)
     d_o = torch.randn_like(args[2])
     d_ht = torch.randn(1, 4, 8, 6, dtype=torch.float64)
-    bwd_args = (d_o, d_ht) + args[:7] + args[8:]
+    bwd_args = (d_o, d_ht) + args[:7] + args[8:]  # without output_final_state
     torch.library.opcheck(torch.ops.gated_delta.bwd.default, bwd_args)
 
 

@@ -110,10 +110,10 @@ def test_cuda_graph_replay_matches_eager():
     check_graph_replay(inp, d_o, d_ht, "chunk")
 
 
-@pytest.mark.parametrize("K,V", [(32, 64), (64, 96), (512, 64)])
+@pytest.mark.parametrize("K,V", [(512, 64), (64, 320)])
 def test_unsupported_head_dims_raise(K, V):
     inp = make_inputs(1, 8, 1, 1, K, V, torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"K and V in \{64, 128, 256\}"):
+    with pytest.raises(RuntimeError, match=r"K and V up to 256"):
         run_ours(inp, grads=False)
 
 

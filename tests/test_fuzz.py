@@ -255,7 +255,8 @@ def malformed_calls(draw):
         name = draw(st.sampled_from(sorted(_NAMED)))
         dtype = draw(st.sampled_from([torch.int32, torch.int64, torch.bool, torch.complex64, torch.float32,
                                       torch.float16, torch.bfloat16]))
-        assume(not (name in ("g", "beta") and dtype.is_floating_point))  # g and beta take any float dtype
+        # g, beta and initial_state take any float dtype, v any float dtype (it may differ from q's)
+        assume(not (name in ("g", "beta", "initial_state", "v") and dtype.is_floating_point))
         x = tensors.get(name, torch.zeros(N, HV, K, V, dtype=torch.float64))
         tensors[name] = x.to(dtype) if not dtype.is_complex else torch.complex(x, x).to(dtype)
         return tensors, options, _NAMED[name]
@@ -276,6 +277,7 @@ def malformed_calls(draw):
         tensors.setdefault("dt_bias", torch.randn(HV, dtype=torch.float64))
         name = draw(st.sampled_from(["A_log", "dt_bias"]))
         how = draw(st.sampled_from(["missing", "shape", "dtype"]))
+        assume(not (name == "dt_bias" and how == "missing"))  # dt_bias is optional
         if how == "missing":
             del tensors[name]
         elif how == "shape":

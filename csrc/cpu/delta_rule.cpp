@@ -105,7 +105,8 @@ Converted convert(const CoreArgs& a) {
   c.v = heads_major(a.v, sd);
   c.g = heads_major3(a.g, sd);
   c.beta = heads_major3(a.beta, sd);
-  if (a.initial_state.defined()) c.h0 = a.initial_state.to(sd).contiguous();
+  // the kernels take [N, HV, K, V] states: a [V, K]-first state is transposed here (CPU only: CUDA reads it in place)
+  if (a.initial_state.defined()) c.h0 = state_k_first(a.initial_state, a.state_v_first).to(sd).contiguous();
   if (a.gk.defined()) c.gk = heads_major(a.gk, sd);
   if (a.gv.defined()) c.gv = heads_major(a.gv, sd);
   return c;
@@ -137,7 +138,7 @@ CoreForward forward_impl(const CoreArgs& args, bool output_final_state) {
   CoreForward r;
   r.o = at::empty(args.v.sizes(), args.v.options().memory_format(at::MemoryFormat::Contiguous));
   r.o.copy_(o_heads.permute({0, 2, 1, 3}));
-  r.final_state = ht;
+  r.final_state = ht.defined() ? state_k_first(ht, args.state_v_first).contiguous() : ht;
   return r;
 }
 
@@ -151,7 +152,9 @@ CoreGrads backward_impl(const CoreArgs& args, const at::Tensor& d_o, const at::T
   const auto opts = args.v.options().dtype(sd);
   const at::Tensor do_heads = heads_major(d_o, sd);
   at::Tensor dht;
-  if (d_final_state.defined() && d_final_state.numel() > 0) dht = d_final_state.to(sd).contiguous();
+  if (d_final_state.defined() && d_final_state.numel() > 0) {
+    dht = state_k_first(d_final_state, args.state_v_first).to(sd).contiguous();
+  }
 
   at::Tensor dq = at::empty({p.B, p.HV, p.T, p.K}, opts);
   at::Tensor dk = at::empty({p.B, p.HV, p.T, p.K}, opts);
@@ -178,7 +181,7 @@ CoreGrads backward_impl(const CoreArgs& args, const at::Tensor& d_o, const at::T
   r.dv = dv.permute({0, 2, 1, 3}).contiguous();
   r.dg = dg.permute({0, 2, 1}).contiguous();
   r.dbeta = dbeta.permute({0, 2, 1}).contiguous();
-  r.d_initial_state = dh0;
+  r.d_initial_state = dh0.defined() ? state_k_first(dh0, args.state_v_first).contiguous() : dh0;
   if (dgk.defined()) r.dgk = dgk.permute({0, 2, 1, 3}).contiguous();
   if (dgv.defined()) r.dgv = dgv.permute({0, 2, 1, 3}).contiguous();
   return r;

@@ -32,9 +32,10 @@ constexpr int kC = cuda::kChunk;
 void check_cuda_limits(const CoreArgs& a) {
   const int64_t K = a.head_k(), V = a.head_v();
   // (the message is formatted with std::to_string: streaming integers into c10::str crashed in one toolchain mix)
-  TORCH_CHECK(cuda::is_head_dim(K) && cuda::is_head_dim(V),
-              std::string("gated_delta CUDA kernels support head dims K and V in ") + cuda::head_dims_str() +
-                  " only, got K = " + std::to_string(K) + ", V = " + std::to_string(V));
+  TORCH_CHECK(cuda::padded_head_dim(K) != 0 && cuda::padded_head_dim(V) != 0,
+              std::string("gated_delta CUDA kernels support head dims K and V up to ") +
+                  std::to_string(cuda::max_head_dim()) + ", got K = " + std::to_string(K) + ", V = " +
+                  std::to_string(V));
   const auto st = a.q.scalar_type();
   TORCH_CHECK(st == at::kBFloat16 || st == at::kHalf || st == at::kFloat,
               std::string("gated_delta CUDA kernels support bfloat16, float16 and float32 inputs, got ") +
@@ -201,6 +202,7 @@ Params base_params(const CoreArgs& a, const Layout& L) {
   p.NC = L.NC;
   p.CPS = std::max(1, L.CPS);
   p.scale = static_cast<float>(a.scale);
+  p.state_vk = a.state_v_first ? 1 : 0;
   p.chunk_tok = L.chunk_tok;
   p.chunk_len = L.chunk_len;
   p.unit_tab = L.unit_tab;
@@ -265,6 +267,12 @@ Call begin_call(const CoreArgs& a) {
   c.p.g = c.in.g.data_ptr<float>();
   c.p.beta = c.in.beta.data_ptr<float>();
   return c;
+}
+
+// The shape of the caller's states (initial, final and their gradients) in their layout.
+std::vector<int64_t> state_dims(const Call& c, bool v_first) {
+  const int64_t N = c.L.N, HV = c.p.HV, K = c.p.K, V = c.p.V;
+  return v_first ? std::vector<int64_t>{N, HV, V, K} : std::vector<int64_t>{N, HV, K, V};
 }
 
 // The preparation's outputs W, U, A, gam (and Tm, for the backward), allocated and computed.
@@ -364,9 +372,45 @@ void run_state_pass(Call& c, bool reverse, int mode, const float* init, float* f
   launch(mode);
 }
 
+// ---- head dims between the kernels' sizes ----
+// K and V that are not one of the kernels' head dims (dispatch.cuh) are zero-padded to the next one. Exact: the
+// padded columns of q and k (after the op layer's L2 norm) and the padded rows of the initial state are zero, so
+// the state's padded rows stay zero; the padded columns of v, of d_o and of the state give zero outputs and
+// gradients, which are cut off. The sizes the kernels take run unpadded.
+
+bool needs_padding(const CoreArgs& a) { return !cuda::is_head_dim(a.head_k()) || !cuda::is_head_dim(a.head_v()); }
+
+at::Tensor pad_last(const at::Tensor& x, int64_t to) { return at::constant_pad_nd(x, {0, to - x.size(-1)}); }
+
+// a state [N, HV, K, V] ([N, HV, V, K] when v_first) padded (cut back: the same with smaller sizes) to K x V
+at::Tensor resize_state(const at::Tensor& s, bool v_first, int64_t K, int64_t V) {
+  if (!s.defined()) return s;
+  const int64_t d2 = v_first ? V : K, d3 = v_first ? K : V;
+  return at::constant_pad_nd(s, {0, d3 - s.size(3), 0, d2 - s.size(2)});
+}
+
+CoreArgs padded_args(const CoreArgs& a) {
+  const int64_t Kp = cuda::padded_head_dim(a.head_k()), Vp = cuda::padded_head_dim(a.head_v());
+  CoreArgs p = a;
+  p.q = pad_last(a.q, Kp);
+  p.k = pad_last(a.k, Kp);
+  p.v = pad_last(a.v, Vp);
+  p.initial_state = resize_state(a.initial_state, a.state_v_first, Kp, Vp);
+  return p;
+}
+
+at::Tensor cut_last(const at::Tensor& x, int64_t to) { return x.narrow(-1, 0, to).contiguous(); }
+
 }  // namespace
 
 CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
+  if (needs_padding(a)) {
+    check_cuda_limits(a);
+    CoreForward r = core_forward_cuda(padded_args(a), output_final_state);
+    r.o = cut_last(r.o, a.head_v());
+    r.final_state = resize_state(r.final_state, a.state_v_first, a.head_k(), a.head_v());
+    return r;
+  }
   c10::cuda::CUDAGuard guard(a.q.device());
   if (a.has_kv_gates()) return recurrent_forward_cuda(a, output_final_state);
   Call c = begin_call(a);
@@ -374,7 +418,7 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
   const Prepared prep = run_prep(c, /*with_tm=*/false);
   at::Tensor o = at::empty(c.in.v.sizes(), c.in.v.options());
   at::Tensor ht;
-  if (output_final_state) ht = at::empty({c.L.N, c.p.HV, c.p.K, c.p.V}, c.fopts);
+  if (output_final_state) ht = at::empty(state_dims(c, a.state_v_first), c.fopts);
   c.p.o = o.data_ptr();
   const ScanScratch scratch = scan_scratch(c);
   run_state_pass(c, /*reverse=*/false, /*mode=*/0, c.in.h0.defined() ? c.in.h0.data_ptr<float>() : nullptr,
@@ -386,6 +430,17 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
 }
 
 CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state) {
+  if (needs_padding(a)) {
+    check_cuda_limits(a);
+    const CoreArgs pa = padded_args(a);
+    CoreGrads g = core_backward_cuda(pa, pad_last(d_o, pa.head_v()),
+                                     resize_state(d_final_state, a.state_v_first, pa.head_k(), pa.head_v()));
+    g.dq = cut_last(g.dq, a.head_k());
+    g.dk = cut_last(g.dk, a.head_k());
+    g.dv = cut_last(g.dv, a.head_v());
+    g.d_initial_state = resize_state(g.d_initial_state, a.state_v_first, a.head_k(), a.head_v());
+    return g;
+  }
   c10::cuda::CUDAGuard guard(a.q.device());
   if (a.has_kv_gates()) return recurrent_backward_cuda(a, d_o, d_final_state);
   Call c = begin_call(a);
@@ -415,7 +470,7 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   p.dhT = dhT.data_ptr();
   p.dVnT = dVnT.data_ptr();
   at::Tensor dh0;
-  if (a.initial_state.defined()) dh0 = at::empty({c.L.N, HV, K, V}, c.fopts);
+  if (a.initial_state.defined()) dh0 = at::empty(state_dims(c, a.state_v_first), c.fopts);
   run_state_pass(c, /*reverse=*/true, /*mode=*/0, dht.defined() ? dht.data_ptr<float>() : nullptr,
                  dh0.defined() ? dh0.data_ptr<float>() : nullptr);
   scratch.segmap.reset();

@@ -93,6 +93,23 @@ constexpr bool is_head_dim(int64_t d, std::integer_sequence<int, D...>) {
 }
 constexpr bool is_head_dim(int64_t d) { return is_head_dim(d, HeadDims{}); }
 
+// The smallest head dim of the list that holds d (the launcher zero-pads other sizes up to it), or 0 when d is
+// larger than all of them.
+template <int... D>
+constexpr int64_t padded_head_dim(int64_t d, std::integer_sequence<int, D...>) {
+  int64_t best = 0;
+  ((best = (best == 0 && d <= D) ? D : best), ...);
+  return best;
+}
+constexpr int64_t padded_head_dim(int64_t d) { return padded_head_dim(d, HeadDims{}); }
+template <int... D>
+constexpr int64_t max_head_dim(std::integer_sequence<int, D...>) {
+  int64_t m = 0;
+  ((m = D > m ? D : m), ...);
+  return m;
+}
+constexpr int64_t max_head_dim() { return max_head_dim(HeadDims{}); }
+
 // "{64, 128, 256}"
 template <int... D>
 std::string head_dims_str(std::integer_sequence<int, D...>) {

@@ -53,8 +53,11 @@ template <int K, int KW, int TW>
 __device__ __forceinline__ void load_state_tile(const Params& p, float (&S)[KW / 8][4], bool to_map, bool homog, int u,
                                                 int n, int hv, int vt, int vr, int ks, int g8, int q) {
   const float* init = nullptr;
-  if (!to_map && p.init != nullptr)
+  int64_t sk = p.V, sv = 1;  // element (k, v) of init at init[k * sk + v * sv]
+  if (!to_map && p.init != nullptr) {
     init = p.init + (static_cast<int64_t>(p.init_by_unit ? u : n) * p.HV + hv) * K * p.V;
+    if (!p.init_by_unit && p.state_vk) { sk = 1; sv = K; }
+  }
 #pragma unroll
   for (int nt = 0; nt < KW / 8; ++nt)
 #pragma unroll
@@ -64,7 +67,7 @@ __device__ __forceinline__ void load_state_tile(const Params& p, float (&S)[KW /
       if (to_map) {
         if (homog) x = (k == vt * TW + vloc - p.V) ? 1.f : 0.f;
       } else if (init != nullptr) {
-        x = init[static_cast<int64_t>(k) * p.V + vt * TW + vloc];
+        x = init[k * sk + (vt * TW + vloc) * sv];
       }
       S[nt][e] = x;
     }
@@ -72,8 +75,8 @@ __device__ __forceinline__ void load_state_tile(const Params& p, float (&S)[KW /
 
 // Where a sequential pass leaves its K x TW state tile, held as S^T fragments (S[nt][e] = S^T[v][k] with
 // v = vr*16 + g8 + 8*(e>>1) inside the tile and k = ks*KW + 8*nt + 2q + (e&1)): into the unit's segment map
-// ([units, HV, V + K, K], one K-contiguous row per tile column) when to_map, else into fin ([N, HV, K, V]) when the
-// pass was asked for it.
+// ([units, HV, V + K, K], one K-contiguous row per tile column) when to_map, else into fin ([N, HV, K, V], or
+// [N, HV, V, K] with state_vk) when the pass was asked for it.
 template <int K, int KW, int TW>
 __device__ __forceinline__ void store_state_tile(const Params& p, const float (&S)[KW / 8][4], bool to_map, int u,
                                                  int n, int hv, int vt, int vr, int ks, int g8, int q) {
@@ -84,9 +87,10 @@ __device__ __forceinline__ void store_state_tile(const Params& p, const float (&
     rstride = K;
     cstride = 1;
   } else if (p.fin != nullptr) {
-    dst = p.fin + (static_cast<int64_t>(n) * p.HV + hv) * K * p.V + vt * TW;
-    rstride = 1;
-    cstride = p.V;
+    dst = p.fin + (static_cast<int64_t>(n) * p.HV + hv) * K * p.V;
+    rstride = p.state_vk ? K : 1;
+    cstride = p.state_vk ? 1 : p.V;
+    dst += vt * TW * rstride;
   }
   if (dst == nullptr) return;
 #pragma unroll

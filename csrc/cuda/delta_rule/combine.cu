@@ -3,7 +3,7 @@
 //   X^T <- X^T A_u^T + B_u^T   with the map rows of unit u as written by the state kernels in map mode.
 // Before each step the current X is stored as that unit's starting state (forward: the state entering the unit;
 // reverse: the gradient of the state leaving it), and at the end the final one (final state / initial-state
-// gradient). States use the [K][V] layout of the user's states.
+// gradient). Unit states use the [K][V] layout; the caller's (init, fin) [K][V], or [V][K] with state_vk.
 #include "../dispatch.cuh"
 #include "params.h"
 
@@ -30,10 +30,12 @@ __global__ void __launch_bounds__(256) combine_kernel(const Params p, int revers
   u0 = max(0, min(u0, p.num_units));
   u1 = max(u0, min(u1, p.num_units));
   const int64_t KV = static_cast<int64_t>(K) * p.V;
+  // element (k, v) of the caller's states at [k * sk + v * sv]
+  const int64_t sk = p.state_vk ? 1 : p.V, sv = p.state_vk ? K : 1;
   const float* init = p.init != nullptr ? p.init + (static_cast<int64_t>(n) * p.HV + hv) * KV : nullptr;
   for (int e = tid; e < 64 * K; e += 256) {
     const int v = e / K, k = e % K;
-    X[e] = init != nullptr ? init[static_cast<int64_t>(k) * p.V + rt * 64 + v] : 0.f;
+    X[e] = init != nullptr ? init[k * sk + (rt * 64 + v) * sv] : 0.f;
   }
   __syncthreads();
   for (int s = 0; s < u1 - u0; ++s) {
@@ -63,7 +65,7 @@ __global__ void __launch_bounds__(256) combine_kernel(const Params p, int revers
     float* f = p.fin + (static_cast<int64_t>(n) * p.HV + hv) * KV;
     for (int e = tid; e < 64 * K; e += 256) {
       const int v = e / K, k = e % K;
-      f[static_cast<int64_t>(k) * p.V + rt * 64 + v] = X[e];
+      f[k * sk + (rt * 64 + v) * sv] = X[e];
     }
   }
 }

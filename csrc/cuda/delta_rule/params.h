@@ -72,6 +72,7 @@ struct Params {
   const float* init;
   int init_by_unit;
   float* fin;
+  int state_vk;     // the caller's states (init by sequence, fin) are [N, HV, V, K] instead of [N, HV, K, V]
   float* segmap;
   float* segstate;  // combine kernel output: the state entering (fwd) / the gradient leaving (rev) each unit
 
