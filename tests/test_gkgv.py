@@ -269,3 +269,29 @@ def test_cuda_errors():
     inputs = gated_inputs(_gen("cudaerr"), GATES["gk"], T=4, dtype=torch.float32, device="cuda", K=300, V=8)
     with pytest.raises(RuntimeError, match=r"with gk / gv the head dims K and V must be at most 256, got K = 300"):
         ours(inputs)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_state_v_first_with_gates(device):
+    """With gk / gv, state_v_first=True takes and returns the states transposed ([N, HV, V, K]): the same results
+    as the [K, V] layout, and the initial state's gradient comes back in the caller's layout."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    inputs = gated_inputs(_gen("v-first", device), ("gk", "gv"), T=37, dtype=dtype, device=device, K=24, V=40)
+    d_o = torch.randn(inputs["v"].shape, dtype=dtype, device=device)
+    d_ht = torch.randn(inputs["initial_state"].shape, dtype=inputs["initial_state"].dtype, device=device)
+
+    def run(x, v_first):
+        h0 = x["initial_state"].transpose(-1, -2).contiguous() if v_first else x["initial_state"]
+        h0 = h0.detach().requires_grad_(True)
+        leaves = {n: x[n].detach().requires_grad_(True) for n in ("q", "k", "v", "gk", "gv")}
+        o, ht = gated_delta.fused_recurrent_gated_delta_rule(
+            leaves["q"], leaves["k"], leaves["v"], x["g"], gk=leaves["gk"], gv=leaves["gv"], beta=x["beta"],
+            initial_state=h0, output_final_state=True, state_v_first=v_first)
+        ht_k = ht.transpose(-1, -2) if v_first else ht
+        ((o * d_o).sum() + (ht_k * d_ht).sum()).backward()
+        dh0 = h0.grad.transpose(-1, -2) if v_first else h0.grad
+        return [o, ht_k, dh0] + [leaves[n].grad for n in ("q", "k", "v", "gk", "gv")]
+
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    for a, b in zip(run(inputs, True), run(inputs, False)):
+        assert rel(a, b) < tol

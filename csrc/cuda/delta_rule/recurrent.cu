@@ -121,12 +121,17 @@ __device__ __forceinline__ void advance(float (&S)[RK], TokenSmem<RK>& sm, const
 }
 
 // This thread's part of a [.., K, V] fp32 state (rows past K, columns past V: zero).
+// Offset of state element (row i of K, column j of V) within one [K, V] (or, state_v_first, [V, K]) state.
+__device__ __forceinline__ int64_t state_index(const RecParams& p, int i, int j) {
+  return p.state_v_first ? int64_t(j) * p.K + i : int64_t(i) * p.V + j;
+}
+
 template <int RK>
 __device__ __forceinline__ void load_tile(float (&S)[RK], const float* src, const RecParams& p, const Place& c) {
 #pragma unroll
   for (int r = 0; r < RK; ++r) {
     const int i = c.warp + kRecWarps * r;
-    S[r] = (src != nullptr && i < p.K && c.col_ok) ? src[int64_t(i) * p.V + c.j] : 0.f;
+    S[r] = (src != nullptr && i < p.K && c.col_ok) ? src[state_index(p, i, c.j)] : 0.f;
   }
 }
 
@@ -135,7 +140,7 @@ __device__ __forceinline__ void store_tile(const float (&S)[RK], float* dst, con
 #pragma unroll
   for (int r = 0; r < RK; ++r) {
     const int i = c.warp + kRecWarps * r;
-    if (i < p.K && c.col_ok) dst[int64_t(i) * p.V + c.j] = S[r];
+    if (i < p.K && c.col_ok) dst[state_index(p, i, c.j)] = S[r];
   }
 }
 

@@ -42,6 +42,7 @@ struct RecParams {
   const float *gk = nullptr, *gv = nullptr;  // or nullptr
   float scale = 1.f;
   const float* h0 = nullptr;  // or nullptr (zero)
+  bool state_v_first = false;  // h0, ht, dht, dh0 laid out [N, HV, V, K] (read and written in place)
 
   // forward
   void* o = nullptr;     // v dtype

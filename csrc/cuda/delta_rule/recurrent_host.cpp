@@ -77,6 +77,7 @@ RecCall begin_recurrent(const CoreArgs& a) {
   p.gk = c.gk.defined() ? c.gk.data_ptr<float>() : nullptr;
   p.gv = c.gv.defined() ? c.gv.data_ptr<float>() : nullptr;
   p.h0 = c.h0.defined() ? c.h0.data_ptr<float>() : nullptr;
+  p.state_v_first = a.state_v_first;
   p.scale = static_cast<float>(a.scale);
   return c;
 }
@@ -98,7 +99,9 @@ CoreForward recurrent_forward_cuda(const CoreArgs& a, bool output_final_state) {
   r.o = at::empty(c.v.sizes(), c.v.options());
   p.o = r.o.data_ptr();
   if (output_final_state) {
-    r.final_state = at::empty({p.N, p.HV, p.K, p.V}, c.q.options().dtype(at::kFloat));
+    r.final_state = at::empty(p.state_v_first ? at::IntArrayRef{p.N, p.HV, p.V, p.K}
+                                                    : at::IntArrayRef{p.N, p.HV, p.K, p.V},
+                               c.q.options().dtype(at::kFloat));
     p.ht = r.final_state.data_ptr<float>();
   }
   cuda::launch_recurrent_fwd(p, c.stream);
@@ -136,7 +139,7 @@ CoreGrads recurrent_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, cons
   CoreGrads gr;
   gr.dv = at::empty(c.v.sizes(), f32);
   if (a.gv.defined()) gr.dgv = at::empty(c.v.sizes(), f32);
-  if (a.initial_state.defined()) gr.d_initial_state = at::empty({p.N, HV, K, V}, f32);
+  if (a.initial_state.defined()) gr.d_initial_state = at::empty(a.initial_state.sizes(), f32);
   p.dq_part = dq_part.data_ptr<float>();
   p.dk_part = dk_part.data_ptr<float>();
   p.dg_part = dg_part.data_ptr<float>();
