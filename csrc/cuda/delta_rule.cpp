@@ -404,6 +404,10 @@ at::Tensor cut_last(const at::Tensor& x, int64_t to) { return x.narrow(-1, 0, to
 }  // namespace
 
 CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
+  if (a.has_kv_gates()) {  // the token-loop kernels take any K, V up to 256 unpadded
+    c10::cuda::CUDAGuard guard(a.q.device());
+    return recurrent_forward_cuda(a, output_final_state);
+  }
   if (needs_padding(a)) {
     check_cuda_limits(a);
     CoreForward r = core_forward_cuda(padded_args(a), output_final_state);
@@ -412,7 +416,6 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
     return r;
   }
   c10::cuda::CUDAGuard guard(a.q.device());
-  if (a.has_kv_gates()) return recurrent_forward_cuda(a, output_final_state);
   Call c = begin_call(a);
   const WarmScratch warm = warm_scratch(c);
   const Prepared prep = run_prep(c, /*with_tm=*/false);
@@ -430,6 +433,10 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
 }
 
 CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state) {
+  if (a.has_kv_gates()) {
+    c10::cuda::CUDAGuard guard(a.q.device());
+    return recurrent_backward_cuda(a, d_o, d_final_state);
+  }
   if (needs_padding(a)) {
     check_cuda_limits(a);
     const CoreArgs pa = padded_args(a);
@@ -442,7 +449,6 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
     return g;
   }
   c10::cuda::CUDAGuard guard(a.q.device());
-  if (a.has_kv_gates()) return recurrent_backward_cuda(a, d_o, d_final_state);
   Call c = begin_call(a);
   Params& p = c.p;
   const int64_t NC = c.L.NC, HV = p.HV, K = p.K, V = p.V;
