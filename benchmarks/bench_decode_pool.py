@@ -49,7 +49,9 @@ def main():
     print("| B | tokens / seq | state MiB read+written | floor us | eager us | graph us | graph / floor | "
           "decode_step graph us |")
     print("|---|---|---|---|---|---|---|---|")
-    rows = [(B, 1) for B in args.batch] + ([(B, args.spec) for B in args.batch if B > 1] if args.spec > 1 else [])
+    rows = [(B, 1) for B in args.batch]
+    if args.spec > 1:  # speculative rows need spec slots per sequence
+        rows += [(B, args.spec) for B in args.batch if 1 < B and B * args.spec <= args.slots]
     for B, T in rows:
         inp = call_inputs(B, T, T, args.slots)
         if T > 1:
