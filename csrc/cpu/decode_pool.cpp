@@ -1,5 +1,5 @@
 // CPU kernel of the state-pool decode: new tokens of N sequences against their states in a shared pool
-// [num_slots, HV, K, V], read and written in place at the slots that state_indices names (decode_pool.h gives the
+// [num_slots, HV, K, V], read and written in place at the slots that state_indices names (checks.h gives the
 // slot rules). Per row n, value head hv and token t, the decode step's update (decode_token.h), with the gate and
 // beta either given (g, beta) or computed here (g = -exp(A_log) softplus(g + dt_bias), beta = sigmoid(beta)).
 // Rows whose read slot is negative are padded (outputs zero); with check_slots=false, a row whose slot or
@@ -13,11 +13,13 @@
 #include <limits>
 #include <vector>
 
-#include "../decode_pool.h"
+#include "../checks.h"
 #include "decode_token.h"
 
 namespace gated_delta {
 namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
 
 at::Tensor decode_pool_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                            const at::Tensor& beta, at::Tensor& state_pool, const at::Tensor& state_indices,

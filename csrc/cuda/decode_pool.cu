@@ -1,6 +1,6 @@
 // CUDA kernel of the state-pool decode: new tokens of N sequences against their fp32 states in a shared pool
-// [num_slots, HV, K, V], read and written in place at the slots that state_indices names (the slot rules are in
-// docs/layer.md), host side and registration.
+// [num_slots, HV, K, V], read and written in place at the slots that state_indices names (checks.h gives the slot
+// rules), host side and registration.
 //
 // Block (v tile, hv, n) advances sequence n's head hv over its tokens with the decode step's register tile
 // (decode_tile.cuh): it loads the tile from the row's start slot once, and stores it once at the end (state_indices
@@ -16,12 +16,14 @@
 
 #include <vector>
 
-#include "../decode_pool.h"
+#include "../checks.h"
 #include "decode_tile.cuh"
 
 namespace gated_delta {
 namespace cuda {
 namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
 
 // Sizes (PoolSizes: B, T, H, HV, K, V, N, num_slots, S, per_token), inputs and outputs of the pool kernel.
 struct PoolParams : PoolSizes {
