@@ -7,6 +7,7 @@ import torch
 
 import gated_delta as gd
 from gated_delta.reference import gated_delta_rule_ref
+from gated_delta.testing import warm_up_for_capture
 
 ops = torch.ops.gated_delta
 f64 = torch.float64
@@ -408,11 +409,7 @@ def test_cuda_graph_capture_and_replay():
     refs = [gd.decode_pool(**{**args, "state_pool": ref_pool}) for _ in range(3)]
     pool = args["state_pool"].clone()
     run = lambda: gd.decode_pool(**{**args, "state_pool": pool}, check_slots=False)  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
+    warm_up_for_capture(run, 1)
     pool.copy_(args["state_pool"])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
