@@ -4,8 +4,11 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "delta_rule.h"
 
@@ -27,12 +30,16 @@ void check_param_dtype(const at::Tensor& p, const char* name, at::ScalarType inp
               input_name, " (", input_dtype, ") or float32, got ", p.scalar_type());
 }
 
+void check_index_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name, " must be int32 or int64, got ",
+              t.scalar_type());
+}
+
 int64_t check_cu_seqlens(const at::Tensor& cu, int64_t B, const at::Tensor& ref, const char* ref_name) {
   check_device_as(ref, ref_name, cu, "cu_seqlens");
   TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 2, "cu_seqlens must be a 1-D tensor [N + 1] with N >= 1, got ",
               shape_str(cu));
-  TORCH_CHECK(cu.scalar_type() == at::kLong || cu.scalar_type() == at::kInt, "cu_seqlens must be int32 or int64, got ",
-              cu.scalar_type());
+  check_index_dtype(cu, "cu_seqlens");
   TORCH_CHECK(B == 1, "cu_seqlens requires a packed batch with B = 1, got B = ", B);
   return cu.size(0) - 1;
 }
@@ -83,8 +90,9 @@ QKVSizes check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return QKVSizes{B, T, H, K, HV, V};
 }
 
-// A per-token scalar [B, T, HV] of any float dtype.
-void check_token_scalar(const at::Tensor& x, const char* name, const QKVSizes& s) {
+// A per-token scalar [B, T, HV] of any float dtype, on the device of q.
+void check_token_scalar(const at::Tensor& q, const at::Tensor& x, const char* name, const QKVSizes& s) {
+  check_device_as(q, "q", x, name);
   TORCH_CHECK(x.dim() == 3 && x.size(0) == s.B && x.size(1) == s.T && x.size(2) == s.HV, name,
               " must have shape [B, T, HV] = [", s.B, ", ", s.T, ", ", s.HV, "], got ", shape_str(x));
   TORCH_CHECK(is_float_dtype(x.scalar_type()), name, " must be a floating-point tensor, got ", x.scalar_type());
@@ -113,6 +121,24 @@ void check_state_dtype(const at::Tensor& q, const at::Tensor& h, const char* nam
               " inputs), got ", h.scalar_type());
 }
 
+// A_log and dt_bias [HV] of the gate computed in the kernel: given only with use_gate_in_kernel, A_log then
+// required, dt_bias too where dt_bias_required.
+void check_gate_params(const at::Tensor& q, bool use_gate_in_kernel, const c10::optional<at::Tensor>& A_log,
+                       const c10::optional<at::Tensor>& dt_bias, int64_t HV, bool dt_bias_required) {
+  if (use_gate_in_kernel) {
+    TORCH_CHECK(A_log.has_value(), "use_gate_in_kernel=True requires A_log, got None");
+    TORCH_CHECK(dt_bias.has_value() || !dt_bias_required, "use_gate_in_kernel=True requires dt_bias, got None");
+  }
+  if (A_log.has_value()) {
+    TORCH_CHECK(use_gate_in_kernel, "A_log is only used with use_gate_in_kernel=True");
+    check_head_param(q, *A_log, "A_log", HV);
+  }
+  if (dt_bias.has_value()) {
+    TORCH_CHECK(use_gate_in_kernel, "dt_bias is only used with use_gate_in_kernel=True");
+    check_head_param(q, *dt_bias, "dt_bias", HV);
+  }
+}
+
 // A per-key or per-value log decay [B, T, HV, D] (D = K or V) of any float dtype, optional.
 void check_kv_gate(const at::Tensor& q, const c10::optional<at::Tensor>& x, const char* name, const char* shape,
                    const QKVSizes& s, int64_t D) {
@@ -135,14 +161,12 @@ const char* state_dims(bool state_v_first) { return state_v_first ? "[N, HV, V, 
 
 Sizes check_delta_rule_args(const DeltaRuleArgs& a) {
   const QKVSizes s = check_qkv(a.q, a.k, a.v);
-  check_device_as(a.q, "q", a.g, "g");
-  check_device_as(a.q, "q", a.beta, "beta");
   if (a.q.scalar_type() == at::kDouble || a.v.scalar_type() == at::kDouble) {
     TORCH_CHECK(a.q.device().is_cpu(), "float64 inputs are supported on the CPU only, got q (", a.q.scalar_type(),
                 ") and v (", a.v.scalar_type(), ") on ", a.q.device());
   }
-  check_token_scalar(a.g, "g", s);
-  check_token_scalar(a.beta, "beta", s);
+  check_token_scalar(a.q, a.g, "g", s);
+  check_token_scalar(a.q, a.beta, "beta", s);
   TORCH_CHECK(std::isfinite(a.scale), "scale must be a finite number, got ", a.scale);
   TORCH_CHECK(a.chunk_size >= 1, "chunk_size must be >= 1, got ", a.chunk_size);
 
@@ -155,8 +179,7 @@ Sizes check_delta_rule_args(const DeltaRuleArgs& a) {
       TORCH_CHECK(hc.device().is_cpu(), "cu_seqlens_cpu must be on the CPU, got ", hc.device());
       TORCH_CHECK(hc.dim() == 1 && hc.size(0) == cu.size(0), "cu_seqlens_cpu must have the shape of cu_seqlens ",
                   shape_str(cu), ", got ", shape_str(hc));
-      TORCH_CHECK(hc.scalar_type() == at::kLong || hc.scalar_type() == at::kInt,
-                  "cu_seqlens_cpu must be int32 or int64, got ", hc.scalar_type());
+      check_index_dtype(hc, "cu_seqlens_cpu");
     }
     // On CUDA without a host copy the backend copies the values to the host and checks them before any kernel
     // indexes with them.
@@ -168,15 +191,7 @@ Sizes check_delta_rule_args(const DeltaRuleArgs& a) {
     check_state_float(*a.initial_state, "initial_state");
   }
   // (dt_bias is optional: without it the gate is -exp(A_log) * softplus(g))
-  if (a.use_gate_in_kernel) TORCH_CHECK(a.A_log.has_value(), "use_gate_in_kernel=True requires A_log, got None");
-  if (a.A_log.has_value()) {
-    TORCH_CHECK(a.use_gate_in_kernel, "A_log is only used with use_gate_in_kernel=True");
-    check_head_param(a.q, *a.A_log, "A_log", s.HV);
-  }
-  if (a.dt_bias.has_value()) {
-    TORCH_CHECK(a.use_gate_in_kernel, "dt_bias is only used with use_gate_in_kernel=True");
-    check_head_param(a.q, *a.dt_bias, "dt_bias", s.HV);
-  }
+  check_gate_params(a.q, a.use_gate_in_kernel, a.A_log, a.dt_bias, s.HV, /*dt_bias_required=*/false);
   check_kv_gate(a.q, a.gk, "gk", "[B, T, HV, K]", s, s.K);
   check_kv_gate(a.q, a.gv, "gv", "[B, T, HV, V]", s, s.V);
   if (a.gk.has_value() || a.gv.has_value()) {
@@ -302,10 +317,8 @@ DecodeSizes check_decode_step_args(const at::Tensor& q, const at::Tensor& k, con
                                    const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias,
                                    const at::Tensor& state, double scale) {
   const QKVSizes s = check_qkv(q, k, v);
-  check_device_as(q, "q", a, "a");
-  check_device_as(q, "q", b, "b");
-  check_token_scalar(a, "a", s);
-  check_token_scalar(b, "b", s);
+  check_token_scalar(q, a, "a", s);
+  check_token_scalar(q, b, "b", s);
   check_head_param(q, A_log, "A_log", s.HV);
   check_head_param(q, dt_bias, "dt_bias", s.HV);
   TORCH_CHECK(v.scalar_type() == q.scalar_type(), "v must have the dtype of q (", q.scalar_type(), "), got ",
@@ -316,6 +329,95 @@ DecodeSizes check_decode_step_args(const at::Tensor& q, const at::Tensor& k, con
               state.strides());
   TORCH_CHECK(std::isfinite(scale), "scale must be a finite number, got ", scale);
   return DecodeSizes{s.B, s.T, s.H, s.HV, s.K, s.V};
+}
+
+PoolSizes check_decode_pool_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                 const at::Tensor& beta, const at::Tensor& state_pool,
+                                 const at::Tensor& state_indices, const c10::optional<at::Tensor>& cu_seqlens,
+                                 const c10::optional<at::Tensor>& num_accepted_tokens, double scale,
+                                 bool use_gate_in_kernel, const c10::optional<at::Tensor>& A_log,
+                                 const c10::optional<at::Tensor>& dt_bias) {
+  const QKVSizes s = check_qkv(q, k, v);
+  check_token_scalar(q, g, "g", s);
+  check_token_scalar(q, beta, "beta", s);
+  TORCH_CHECK(std::isfinite(scale), "scale must be a finite number, got ", scale);
+  check_gate_params(q, use_gate_in_kernel, A_log, dt_bias, s.HV, /*dt_bias_required=*/false);
+
+  // The pool: [num_slots, HV, K, V], each slot's [HV, K, V] block contiguous; slots may be strided (a view into a
+  // larger cache).
+  check_device_as(q, "q", state_pool, "state_pool");
+  TORCH_CHECK(state_pool.dim() == 4 && state_pool.size(1) == s.HV && state_pool.size(2) == s.K &&
+                  state_pool.size(3) == s.V,
+              "state_pool must have shape [num_slots, HV, K, V] = [num_slots, ", s.HV, ", ", s.K, ", ", s.V, "], got ",
+              shape_str(state_pool));
+  check_state_dtype(q, state_pool, "state_pool");
+  const int64_t num_slots = state_pool.size(0), slot_numel = s.HV * s.K * s.V;
+  TORCH_CHECK(state_pool.stride(3) == 1 && state_pool.stride(2) == s.V && state_pool.stride(1) == s.K * s.V &&
+                  (num_slots <= 1 || state_pool.stride(0) >= slot_numel),
+              "state_pool must have each slot's [HV, K, V] block contiguous and slots apart (strides [>= ", slot_numel,
+              ", ", s.K * s.V, ", ", s.V, ", 1]; it is updated in place), got strides ", state_pool.strides());
+
+  const int64_t N = cu_seqlens.has_value() ? check_cu_seqlens(*cu_seqlens, s.B, q, "q") : s.B;
+  check_device_as(q, "q", state_indices, "state_indices");
+  check_index_dtype(state_indices, "state_indices");
+  TORCH_CHECK((state_indices.dim() == 1 || state_indices.dim() == 2) && state_indices.size(0) == N,
+              "state_indices must have shape [N] or [N, S] with N = ", N,
+              cu_seqlens.has_value() ? " (the sequences of cu_seqlens)" : " (the batch size B)", ", got ",
+              shape_str(state_indices));
+  const bool per_token = state_indices.dim() == 2;
+  const int64_t S = per_token ? state_indices.size(1) : 1;
+  if (per_token) {
+    TORCH_CHECK(S >= 1, "state_indices [N, S] must have S >= 1, got ", shape_str(state_indices));
+    TORCH_CHECK(cu_seqlens.has_value() || s.T <= S, "state_indices [N, S] needs a slot for every token: S >= T = ",
+                s.T, ", got ", shape_str(state_indices));
+  }
+  if (num_accepted_tokens.has_value()) {
+    const at::Tensor& acc = *num_accepted_tokens;
+    check_device_as(q, "q", acc, "num_accepted_tokens");
+    check_index_dtype(acc, "num_accepted_tokens");
+    TORCH_CHECK(per_token, "num_accepted_tokens needs state_indices of shape [N, S] (it picks the column of the slot "
+                "to start from), got state_indices of shape ", shape_str(state_indices));
+    TORCH_CHECK(acc.dim() == 1 && acc.size(0) == N, "num_accepted_tokens must have shape [N] = [", N, "], got ",
+                shape_str(acc));
+  }
+  return PoolSizes{s.B, s.T, s.H, s.HV, s.K, s.V, N, num_slots, S, per_token};
+}
+
+void check_decode_pool_values(const PoolSizes& s, const at::Tensor& idx, const at::Tensor& acc, const at::Tensor& cu) {
+  if (cu.defined()) check_cu_seqlens_values(cu, s.T, "cu_seqlens");
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const int64_t* ap = acc.defined() ? acc.data_ptr<int64_t>() : nullptr;
+  const int64_t* cp = cu.defined() ? cu.data_ptr<int64_t>() : nullptr;
+  std::vector<std::pair<int64_t, int64_t>> owned;  // (slot, row)
+  for (int64_t n = 0; n < s.N; ++n) {
+    const int64_t len = cp ? cp[n + 1] - cp[n] : s.T;
+    int64_t col = 0;
+    if (ap) {
+      TORCH_CHECK(ap[n] >= 1 && ap[n] <= s.S, "num_accepted_tokens must be in [1, S = ", s.S,
+                  "] (the column of the slot to start from, plus one), got num_accepted_tokens[", n, "] = ", ap[n]);
+      col = ap[n] - 1;
+    }
+    const int64_t r = ip[n * s.S + col];
+    if (r < 0) continue;  // a padded row
+    TORCH_CHECK(r < s.num_slots, "state_indices must be < num_slots = ", s.num_slots,
+                " (or negative for a padded row), got ", r, " for row ", n);
+    owned.emplace_back(r, n);
+    if (!s.per_token) continue;
+    TORCH_CHECK(len <= s.S, "state_indices [N, S] needs a slot for every token: row ", n, " has ", len,
+                " tokens but S = ", s.S);
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t w = ip[n * s.S + t];
+      TORCH_CHECK(w < s.num_slots, "state_indices must be < num_slots = ", s.num_slots,
+                  " (or negative to skip a write), got ", w, " at [", n, ", ", t, "]");
+      if (w >= 0) owned.emplace_back(w, n);
+    }
+  }
+  std::sort(owned.begin(), owned.end());
+  for (size_t i = 1; i < owned.size(); ++i) {
+    TORCH_CHECK(owned[i].first != owned[i - 1].first || owned[i].second == owned[i - 1].second,
+                "state_indices must not share a slot between rows: slot ", owned[i].first, " is used by rows ",
+                owned[i - 1].second, " and ", owned[i].second);
+  }
 }
 
 }  // namespace gated_delta

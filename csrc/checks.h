@@ -34,6 +34,9 @@ void check_device_as(const at::Tensor& ref, const char* ref_name, const at::Tens
 // A parameter (weight, bias) may have the dtype of the input or float32 (an fp32 master weight under autocast).
 void check_param_dtype(const at::Tensor& p, const char* name, at::ScalarType input_dtype, const char* input_name);
 
+// An index tensor (cu_seqlens, slot indices): int32 or int64.
+void check_index_dtype(const at::Tensor& t, const char* name);
+
 // cu_seqlens [N + 1] (int32 or int64, on the device of ref) of a packed batch of B rows: B must be 1. Returns N.
 // The values are checked where they are read on the host (check_cu_seqlens_values).
 int64_t check_cu_seqlens(const at::Tensor& cu, int64_t B, const at::Tensor& ref, const char* ref_name);
@@ -91,5 +94,33 @@ struct DecodeSizes {
 DecodeSizes check_decode_step_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& a,
                                    const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias,
                                    const at::Tensor& state, double scale);
+
+// ---- decode against a state pool ----
+
+// Rows n = 0..N-1 are the sequences of the call (N = B, or the number of sequences of cu_seqlens). Row n reads its
+// state from pool slot r_n and writes it back:
+//   state_indices [N]:     r_n = state_indices[n]; the state after the row's last token is written to slot r_n.
+//   state_indices [N, S]:  r_n = state_indices[n, num_accepted_tokens[n] - 1] (column 0 without
+//                          num_accepted_tokens); the state after token t of the row is written to slot
+//                          state_indices[n, t] (t < S; a negative entry skips that write).
+// A negative r_n marks a padded row: nothing is read or written and its outputs are zeros.
+struct PoolSizes {
+  int64_t B, T, H, HV, K, V;
+  int64_t N;          // rows (sequences)
+  int64_t num_slots;  // pool slots
+  int64_t S;          // slot columns per row: 1 for 1-D state_indices, else state_indices.size(1)
+  bool per_token;     // 2-D state_indices: the state after every token is written to its slot
+};
+
+PoolSizes check_decode_pool_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                 const at::Tensor& beta, const at::Tensor& state_pool,
+                                 const at::Tensor& state_indices, const c10::optional<at::Tensor>& cu_seqlens,
+                                 const c10::optional<at::Tensor>& num_accepted_tokens, double scale,
+                                 bool use_gate_in_kernel, const c10::optional<at::Tensor>& A_log,
+                                 const c10::optional<at::Tensor>& dt_bias);
+// The values of the index arguments, on the host (int64, contiguous): the sequence bounds, the slot every row reads
+// and writes, and that no slot belongs to two rows (two rows writing one slot would race). cu may be undefined
+// (rows of T tokens), acc too (column 0).
+void check_decode_pool_values(const PoolSizes& s, const at::Tensor& idx, const at::Tensor& acc, const at::Tensor& cu);
 
 }  // namespace gated_delta

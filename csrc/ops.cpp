@@ -60,4 +60,11 @@ TORCH_LIBRARY(gated_delta, m) {
   m.def(
       "decode_step(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, "
       "Tensor(a!) state, float scale, bool allow_neg_eigval) -> Tensor o");
+  // Decode against a pool of states [num_slots, HV, K, V] read and written in place at the slots of state_indices
+  // ([N], or [N, S] with the state after each token written to its own slot); the slot rules are in checks.h.
+  m.def(
+      "decode_pool(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state_pool, Tensor state_indices, "
+      "Tensor? cu_seqlens, Tensor? num_accepted_tokens, float scale, bool use_qk_l2norm_in_kernel, "
+      "bool use_gate_in_kernel, Tensor? A_log, Tensor? dt_bias, bool use_beta_sigmoid_in_kernel, "
+      "bool allow_neg_eigval, bool check_slots) -> Tensor o");
 }

@@ -68,8 +68,6 @@ __device__ __forceinline__ int64_t find_sequence(const int64_t* cu, int64_t N, i
   return lo;
 }
 
-__device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
-
 // Bounds of the sequence holding token t: [start, end) and its index n (clamped, whatever cu holds).
 struct SeqPos {
   int64_t n, start, end;

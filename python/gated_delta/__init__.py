@@ -4,6 +4,7 @@ from .reference import gated_delta_rule_ref
 from . import reference
 from .layer_ops import decode_step, gated_rmsnorm, short_conv, short_conv_update
 from .layers import GatedDeltaNet, GatedDeltaNetCache, GatedRMSNorm, ShortConvolution
+from .serving import PAD_SLOT_ID, decode_pool
 
 __version__ = "0.1.0"
 
@@ -22,4 +23,6 @@ __all__ = [
     "short_conv_update",
     "gated_rmsnorm",
     "decode_step",
+    "decode_pool",
+    "PAD_SLOT_ID",
 ]
