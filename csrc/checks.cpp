@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "decode_pool.h"
 #include "delta_rule.h"
 
 namespace gated_delta {
@@ -331,52 +332,48 @@ DecodeSizes check_decode_step_args(const at::Tensor& q, const at::Tensor& k, con
   return DecodeSizes{s.B, s.T, s.H, s.HV, s.K, s.V};
 }
 
-PoolSizes check_decode_pool_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                                 const at::Tensor& beta, const at::Tensor& state_pool,
-                                 const at::Tensor& state_indices, const c10::optional<at::Tensor>& cu_seqlens,
-                                 const c10::optional<at::Tensor>& num_accepted_tokens, double scale,
-                                 bool use_gate_in_kernel, const c10::optional<at::Tensor>& A_log,
-                                 const c10::optional<at::Tensor>& dt_bias) {
-  const QKVSizes s = check_qkv(q, k, v);
-  check_token_scalar(q, g, "g", s);
-  check_token_scalar(q, beta, "beta", s);
-  TORCH_CHECK(std::isfinite(scale), "scale must be a finite number, got ", scale);
-  check_gate_params(q, use_gate_in_kernel, A_log, dt_bias, s.HV, /*dt_bias_required=*/false);
+PoolSizes check_decode_pool_args(const DecodePoolArgs& a) {
+  const at::Tensor& q = a.q;
+  const QKVSizes s = check_qkv(q, a.k, a.v);
+  check_token_scalar(q, a.g, "g", s);
+  check_token_scalar(q, a.beta, "beta", s);
+  TORCH_CHECK(std::isfinite(a.scale), "scale must be a finite number, got ", a.scale);
+  check_gate_params(q, a.use_gate_in_kernel, a.A_log, a.dt_bias, s.HV, /*dt_bias_required=*/false);
 
   // The pool: [num_slots, HV, K, V], each slot's [HV, K, V] block contiguous; slots may be strided (a view into a
   // larger cache).
-  check_device_as(q, "q", state_pool, "state_pool");
-  TORCH_CHECK(state_pool.dim() == 4 && state_pool.size(1) == s.HV && state_pool.size(2) == s.K &&
-                  state_pool.size(3) == s.V,
+  check_device_as(q, "q", a.state_pool, "state_pool");
+  TORCH_CHECK(a.state_pool.dim() == 4 && a.state_pool.size(1) == s.HV && a.state_pool.size(2) == s.K &&
+                  a.state_pool.size(3) == s.V,
               "state_pool must have shape [num_slots, HV, K, V] = [num_slots, ", s.HV, ", ", s.K, ", ", s.V, "], got ",
-              shape_str(state_pool));
-  check_state_dtype(q, state_pool, "state_pool");
-  const int64_t num_slots = state_pool.size(0), slot_numel = s.HV * s.K * s.V;
-  TORCH_CHECK(state_pool.stride(3) == 1 && state_pool.stride(2) == s.V && state_pool.stride(1) == s.K * s.V &&
-                  (num_slots <= 1 || state_pool.stride(0) >= slot_numel),
+              shape_str(a.state_pool));
+  check_state_dtype(q, a.state_pool, "state_pool");
+  const int64_t num_slots = a.state_pool.size(0), slot_numel = s.HV * s.K * s.V;
+  TORCH_CHECK(a.state_pool.stride(3) == 1 && a.state_pool.stride(2) == s.V && a.state_pool.stride(1) == s.K * s.V &&
+                  (num_slots <= 1 || a.state_pool.stride(0) >= slot_numel),
               "state_pool must have each slot's [HV, K, V] block contiguous and slots apart (strides [>= ", slot_numel,
-              ", ", s.K * s.V, ", ", s.V, ", 1]; it is updated in place), got strides ", state_pool.strides());
+              ", ", s.K * s.V, ", ", s.V, ", 1]; it is updated in place), got strides ", a.state_pool.strides());
 
-  const int64_t N = cu_seqlens.has_value() ? check_cu_seqlens(*cu_seqlens, s.B, q, "q") : s.B;
-  check_device_as(q, "q", state_indices, "state_indices");
-  check_index_dtype(state_indices, "state_indices");
-  TORCH_CHECK((state_indices.dim() == 1 || state_indices.dim() == 2) && state_indices.size(0) == N,
+  const int64_t N = a.cu_seqlens.has_value() ? check_cu_seqlens(*a.cu_seqlens, s.B, q, "q") : s.B;
+  check_device_as(q, "q", a.state_indices, "state_indices");
+  check_index_dtype(a.state_indices, "state_indices");
+  TORCH_CHECK((a.state_indices.dim() == 1 || a.state_indices.dim() == 2) && a.state_indices.size(0) == N,
               "state_indices must have shape [N] or [N, S] with N = ", N,
-              cu_seqlens.has_value() ? " (the sequences of cu_seqlens)" : " (the batch size B)", ", got ",
-              shape_str(state_indices));
-  const bool per_token = state_indices.dim() == 2;
-  const int64_t S = per_token ? state_indices.size(1) : 1;
+              a.cu_seqlens.has_value() ? " (the sequences of cu_seqlens)" : " (the batch size B)", ", got ",
+              shape_str(a.state_indices));
+  const bool per_token = a.state_indices.dim() == 2;
+  const int64_t S = per_token ? a.state_indices.size(1) : 1;
   if (per_token) {
-    TORCH_CHECK(S >= 1, "state_indices [N, S] must have S >= 1, got ", shape_str(state_indices));
-    TORCH_CHECK(cu_seqlens.has_value() || s.T <= S, "state_indices [N, S] needs a slot for every token: S >= T = ",
-                s.T, ", got ", shape_str(state_indices));
+    TORCH_CHECK(S >= 1, "state_indices [N, S] must have S >= 1, got ", shape_str(a.state_indices));
+    TORCH_CHECK(a.cu_seqlens.has_value() || s.T <= S, "state_indices [N, S] needs a slot for every token: S >= T = ",
+                s.T, ", got ", shape_str(a.state_indices));
   }
-  if (num_accepted_tokens.has_value()) {
-    const at::Tensor& acc = *num_accepted_tokens;
+  if (a.num_accepted_tokens.has_value()) {
+    const at::Tensor& acc = *a.num_accepted_tokens;
     check_device_as(q, "q", acc, "num_accepted_tokens");
     check_index_dtype(acc, "num_accepted_tokens");
     TORCH_CHECK(per_token, "num_accepted_tokens needs state_indices of shape [N, S] (it picks the column of the slot "
-                "to start from), got state_indices of shape ", shape_str(state_indices));
+                "to start from), got state_indices of shape ", shape_str(a.state_indices));
     TORCH_CHECK(acc.dim() == 1 && acc.size(0) == N, "num_accepted_tokens must have shape [N] = [", N, "], got ",
                 shape_str(acc));
   }

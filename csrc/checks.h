@@ -13,6 +13,7 @@
 namespace gated_delta {
 
 struct DeltaRuleArgs;
+struct DecodePoolArgs;
 
 // ---- shared helpers ----
 
@@ -112,12 +113,7 @@ struct PoolSizes {
   bool per_token;     // 2-D state_indices: the state after every token is written to its slot
 };
 
-PoolSizes check_decode_pool_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                                 const at::Tensor& beta, const at::Tensor& state_pool,
-                                 const at::Tensor& state_indices, const c10::optional<at::Tensor>& cu_seqlens,
-                                 const c10::optional<at::Tensor>& num_accepted_tokens, double scale,
-                                 bool use_gate_in_kernel, const c10::optional<at::Tensor>& A_log,
-                                 const c10::optional<at::Tensor>& dt_bias);
+PoolSizes check_decode_pool_args(const DecodePoolArgs& a);
 // The values of the index arguments, on the host (int64, contiguous): the sequence bounds, the slot every row reads
 // and writes, and that no slot belongs to two rows (two rows writing one slot would race). cu may be undefined
 // (rows of T tokens), acc too (column 0).

@@ -14,34 +14,28 @@
 #include <vector>
 
 #include "../checks.h"
+#include "../decode_pool.h"
 #include "decode_token.h"
 
 namespace gated_delta {
 namespace {
 
-using OptTensor = c10::optional<at::Tensor>;
-
-at::Tensor decode_pool_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                           const at::Tensor& beta, at::Tensor& state_pool, const at::Tensor& state_indices,
-                           const OptTensor& cu_seqlens, const OptTensor& num_accepted_tokens, double scale,
-                           bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, const OptTensor& A_log,
-                           const OptTensor& dt_bias, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,
-                           bool check_slots) {
-  const PoolSizes sz = check_decode_pool_args(q, k, v, g, beta, state_pool, state_indices, cu_seqlens,
-                                              num_accepted_tokens, scale, use_gate_in_kernel, A_log, dt_bias);
-  const at::Tensor idx = state_indices.to(at::kLong).contiguous();
-  const at::Tensor acc = num_accepted_tokens.has_value() ? num_accepted_tokens->to(at::kLong).contiguous()
-                                                         : at::Tensor();
-  const at::Tensor cu = cu_seqlens.has_value() ? cu_seqlens->to(at::kLong).contiguous() : at::Tensor();
-  if (check_slots) check_decode_pool_values(sz, idx, acc, cu);
+at::Tensor decode_pool_cpu(const DecodePoolArgs& a) {
+  const PoolSizes sz = check_decode_pool_args(a);
+  const at::Tensor& q = a.q;
+  const at::Tensor idx = a.state_indices.to(at::kLong).contiguous();
+  const at::Tensor acc = a.num_accepted_tokens.has_value() ? a.num_accepted_tokens->to(at::kLong).contiguous()
+                                                           : at::Tensor();
+  const at::Tensor cu = a.cu_seqlens.has_value() ? a.cu_seqlens->to(at::kLong).contiguous() : at::Tensor();
+  if (a.check_slots) check_decode_pool_values(sz, idx, acc, cu);
 
   const int64_t T = sz.T, H = sz.H, HV = sz.HV, K = sz.K, V = sz.V, N = sz.N, S = sz.S;
   const at::ScalarType ad = acc_dtype(q.scalar_type());
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const at::Tensor gc = g.to(ad).contiguous(), bc = beta.to(ad).contiguous();
-  const at::Tensor Ac = A_log.has_value() ? A_log->to(ad).contiguous() : at::Tensor();
-  const at::Tensor dc = dt_bias.has_value() ? dt_bias->to(ad).contiguous() : at::Tensor();
-  at::Tensor o = at::empty({sz.B, T, HV, V}, v.options());
+  const at::Tensor qc = q.contiguous(), kc = a.k.contiguous(), vc = a.v.contiguous();
+  const at::Tensor gc = a.g.to(ad).contiguous(), bc = a.beta.to(ad).contiguous();
+  const at::Tensor Ac = a.A_log.has_value() ? a.A_log->to(ad).contiguous() : at::Tensor();
+  const at::Tensor dc = a.dt_bias.has_value() ? a.dt_bias->to(ad).contiguous() : at::Tensor();
+  at::Tensor o = at::empty({sz.B, T, HV, V}, a.v.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_pool_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* qp = qc.data_ptr<scalar_t>();
@@ -54,8 +48,8 @@ at::Tensor decode_pool_cpu(const at::Tensor& q, const at::Tensor& k, const at::T
     const int64_t* ip = idx.data_ptr<int64_t>();
     const int64_t* accp = acc.defined() ? acc.data_ptr<int64_t>() : nullptr;
     const int64_t* cup = cu.defined() ? cu.data_ptr<int64_t>() : nullptr;
-    acc_t* pool = state_pool.data_ptr<acc_t>();
-    const int64_t slot_stride = state_pool.stride(0);
+    acc_t* pool = a.state_pool.data_ptr<acc_t>();
+    const int64_t slot_stride = a.state_pool.stride(0);
     scalar_t* op = o.data_ptr<scalar_t>();
     const int64_t group = HV / H;
     at::parallel_for(0, N * HV, 1, [&](int64_t lo, int64_t hi) {
@@ -91,12 +85,12 @@ at::Tensor decode_pool_cpu(const at::Tensor& q, const at::Tensor& k, const at::T
         const acc_t dtb = dp ? dp[hv] : acc_t(0);
         for (int64_t tok = bos; tok < eos; ++tok) {
           const acc_t graw = gp[tok * HV + hv], braw = bp[tok * HV + hv];
-          const acc_t alpha = std::exp(use_gate_in_kernel ? neg_A * scalar_softplus(graw + dtb) : graw);
-          const acc_t b = use_beta_sigmoid_in_kernel
-                              ? scalar_sigmoid(braw) * (allow_neg_eigval ? acc_t(2) : acc_t(1))
+          const acc_t alpha = std::exp(a.use_gate_in_kernel ? neg_A * scalar_softplus(graw + dtb) : graw);
+          const acc_t b = a.use_beta_sigmoid_in_kernel
+                              ? scalar_sigmoid(braw) * (a.allow_neg_eigval ? acc_t(2) : acc_t(1))
                               : braw;
           decode_token(St, K, V, qp + (tok * H + h) * K, kp + (tok * H + h) * K, vp + (tok * HV + hv) * V,
-                       op + (tok * HV + hv) * V, alpha, b, acc_t(scale), use_qk_l2norm_in_kernel, scratch);
+                       op + (tok * HV + hv) * V, alpha, b, acc_t(a.scale), a.use_qk_l2norm_in_kernel, scratch);
           const int64_t t = tok - bos;
           if (sz.per_token && t < S) {
             const int64_t w = ip[n * S + t];
@@ -111,6 +105,6 @@ at::Tensor decode_pool_cpu(const at::Tensor& q, const at::Tensor& k, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(gated_delta, CPU, m) { m.impl("decode_pool", &decode_pool_cpu); }
+TORCH_LIBRARY_IMPL(gated_delta, CPU, m) { m.impl("decode_pool", decode_pool_unboxed<decode_pool_cpu>); }
 
 }  // namespace gated_delta

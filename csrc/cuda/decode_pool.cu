@@ -17,13 +17,12 @@
 #include <vector>
 
 #include "../checks.h"
+#include "../decode_pool.h"
 #include "decode_tile.cuh"
 
 namespace gated_delta {
 namespace cuda {
 namespace {
-
-using OptTensor = c10::optional<at::Tensor>;
 
 // Sizes (PoolSizes: B, T, H, HV, K, V, N, num_slots, S, per_token), inputs and outputs of the pool kernel.
 struct PoolParams : PoolSizes {
@@ -130,27 +129,22 @@ void check_slot_values(const PoolSizes& sz, const at::Tensor& idx, const at::Ten
   check_decode_pool_values(sz, host.narrow(0, 0, idx.numel()).contiguous(), acc_h, cu_h);
 }
 
-at::Tensor decode_pool_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                            const at::Tensor& beta, at::Tensor& state_pool, const at::Tensor& state_indices,
-                            const OptTensor& cu_seqlens, const OptTensor& num_accepted_tokens, double scale,
-                            bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, const OptTensor& A_log,
-                            const OptTensor& dt_bias, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,
-                            bool check_slots) {
-  const PoolSizes sz = check_decode_pool_args(q, k, v, g, beta, state_pool, state_indices, cu_seqlens,
-                                              num_accepted_tokens, scale, use_gate_in_kernel, A_log, dt_bias);
-  check_decode_tile_limits("decode_pool", sz.K, sz.V, sz.HV, sz.N, "N", state_pool.data_ptr(), "state_pool");
-  TORCH_CHECK(state_pool.stride(0) % 4 == 0, "state_pool must have a slot stride that is a multiple of 4 for the "
-              "CUDA decode_pool (it is read as float4), got slot stride ", state_pool.stride(0));
+at::Tensor decode_pool_cuda(const DecodePoolArgs& a) {
+  const PoolSizes sz = check_decode_pool_args(a);
+  const at::Tensor& q = a.q;
+  check_decode_tile_limits("decode_pool", sz.K, sz.V, sz.HV, sz.N, "N", a.state_pool.data_ptr(), "state_pool");
+  TORCH_CHECK(a.state_pool.stride(0) % 4 == 0, "state_pool must have a slot stride that is a multiple of 4 for the "
+              "CUDA decode_pool (it is read as float4), got slot stride ", a.state_pool.stride(0));
   const c10::cuda::CUDAGuard guard(q.device());
-  const at::Tensor idx = state_indices.contiguous();
-  const at::Tensor acc = num_accepted_tokens.has_value() ? num_accepted_tokens->contiguous() : at::Tensor();
-  const at::Tensor cu = cu_seqlens.has_value() ? cu_seqlens->contiguous() : at::Tensor();
-  if (check_slots) check_slot_values(sz, idx, acc, cu);
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const at::Tensor gc = g.contiguous(), bc = beta.contiguous();
-  const at::Tensor Ac = A_log.has_value() ? A_log->contiguous() : at::Tensor();
-  const at::Tensor dc = dt_bias.has_value() ? dt_bias->contiguous() : at::Tensor();
-  at::Tensor o = at::empty({sz.B, sz.T, sz.HV, sz.V}, v.options());
+  const at::Tensor idx = a.state_indices.contiguous();
+  const at::Tensor acc = a.num_accepted_tokens.has_value() ? a.num_accepted_tokens->contiguous() : at::Tensor();
+  const at::Tensor cu = a.cu_seqlens.has_value() ? a.cu_seqlens->contiguous() : at::Tensor();
+  if (a.check_slots) check_slot_values(sz, idx, acc, cu);
+  const at::Tensor qc = q.contiguous(), kc = a.k.contiguous(), vc = a.v.contiguous();
+  const at::Tensor gc = a.g.contiguous(), bc = a.beta.contiguous();
+  const at::Tensor Ac = a.A_log.has_value() ? a.A_log->contiguous() : at::Tensor();
+  const at::Tensor dc = a.dt_bias.has_value() ? a.dt_bias->contiguous() : at::Tensor();
+  at::Tensor o = at::empty({sz.B, sz.T, sz.HV, sz.V}, a.v.options());
 
   PoolParams p;
   static_cast<PoolSizes&>(p) = sz;
@@ -161,31 +155,31 @@ at::Tensor decode_pool_cuda(const at::Tensor& q, const at::Tensor& k, const at::
   p.beta = bc.data_ptr();
   p.A_log = Ac.defined() ? Ac.data_ptr() : nullptr;
   p.dt_bias = dc.defined() ? dc.data_ptr() : nullptr;
-  p.pool = state_pool.data_ptr<float>();
+  p.pool = a.state_pool.data_ptr<float>();
   p.idx = idx.data_ptr();
   p.acc = acc.defined() ? acc.data_ptr() : nullptr;
   p.cu = cu.defined() ? cu.data_ptr() : nullptr;
   p.o = o.data_ptr();
-  p.slot_stride = state_pool.stride(0);
+  p.slot_stride = a.state_pool.stride(0);
   p.dtype = dtype_of(q.scalar_type(), "q");
-  p.g_dtype = dtype_of(g.scalar_type(), "g");
-  p.beta_dtype = dtype_of(beta.scalar_type(), "beta");
+  p.g_dtype = dtype_of(a.g.scalar_type(), "g");
+  p.beta_dtype = dtype_of(a.beta.scalar_type(), "beta");
   if (Ac.defined()) p.A_dtype = dtype_of(Ac.scalar_type(), "A_log");
   if (dc.defined()) p.dt_dtype = dtype_of(dc.scalar_type(), "dt_bias");
   p.idx64 = idx.scalar_type() == at::kLong;
   p.acc64 = !acc.defined() || acc.scalar_type() == at::kLong;
   p.cu64 = !cu.defined() || cu.scalar_type() == at::kLong;
-  p.scale = static_cast<float>(scale);
-  p.l2norm = use_qk_l2norm_in_kernel;
-  p.beta_sigmoid = use_beta_sigmoid_in_kernel;
-  p.allow_neg_eigval = allow_neg_eigval;
+  p.scale = static_cast<float>(a.scale);
+  p.l2norm = a.use_qk_l2norm_in_kernel;
+  p.beta_sigmoid = a.use_beta_sigmoid_in_kernel;
+  p.allow_neg_eigval = a.allow_neg_eigval;
   launch_decode_pool(p, at::cuda::getCurrentCUDAStream());
   return o;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(gated_delta, CUDA, m) { m.impl("decode_pool", &decode_pool_cuda); }
+TORCH_LIBRARY_IMPL(gated_delta, CUDA, m) { m.impl("decode_pool", decode_pool_unboxed<decode_pool_cuda>); }
 
 }  // namespace cuda
 }  // namespace gated_delta
