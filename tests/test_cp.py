@@ -8,6 +8,7 @@ ranks; each worker returns rows (case, quantity, error, tolerance) that the test
 import datetime
 import json
 import os
+import re
 import socket
 import tempfile
 import traceback
@@ -343,3 +344,21 @@ def test_cp_equals_one_process(cp_rows, world):
 
 def test_cp_groups_side_by_side(cp_rows):
     _check([row for row in cp_rows if row[0] == "dp"], 4 * 10)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"gk": "K"}, "gk and gv (per-key / per-value decays) are not supported with cp_group"),
+    ({"gv": "V"}, "gk and gv (per-key / per-value decays) are not supported with cp_group"),
+    ({"state_v_first": True}, "state_v_first=True is not supported with cp_group"),
+])
+def test_cp_rejects_what_it_cannot_compose(extra, message):
+    """Options the context-parallel run does not compose raise before any collective: no process group is needed
+    to see the error, and nothing is silently dropped."""
+    x = make_inputs(torch.Generator().manual_seed(3), T=9)
+    B, T, HV = x["v"].shape[:3]
+    sizes = {"K": x["q"].shape[-1], "V": x["v"].shape[-1]}
+    extra = {k: (torch.zeros(B, T, HV, sizes[v]) if isinstance(v, str) else v) for k, v in extra.items()}
+    if "state_v_first" in extra:
+        x["initial_state"] = x["initial_state"].transpose(-1, -2).contiguous()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gated_delta.gated_delta_rule(**x, cp_group=object(), **extra)
