@@ -36,6 +36,9 @@ struct WyCfg {
 
 template <class St, int K, bool RES>
 __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
+  // K <= 128: dk of this CTA's rows stays in registers over the value heads of the group (one read of grad_qk's
+  // part, one store); K = 256 adds each head's part into dk1 in memory
+  constexpr bool DKREG = K <= 128;
   using F = WyCfg<St, K>;
   constexpr int LDK = F::LDK, LDC = F::LDC, LDF = F::LDF, TILE = F::TILE;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -62,6 +65,23 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
 
   load_tile<St, C, K, 128>(Ks, LDK, static_cast<const St*>(p.k) + ci.bos * HK + h * K, HK, ci.len, tid);
   cp_async_commit();
+  // grad_qk's part of dk for this thread's fragment positions (rows past the chunk's end stay zero), in flight
+  // during the first head's work
+  float dka[DKREG ? K / 64 : 1][8][4];
+  if constexpr (DKREG) {
+#pragma unroll
+    for (int kb = 0; kb < K / 64; ++kb)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int i = 16 * warp + g8 + 8 * hr;
+          float2 cur = make_float2(0.f, 0.f);
+          if (i < ci.len) cur = *reinterpret_cast<const float2*>(p.dk1 + (ci.bos + i) * HK + h * K + kb * 64 + 8 * nt + 2 * q);
+          dka[kb][nt][2 * hr] = cur.x;
+          dka[kb][nt][2 * hr + 1] = cur.y;
+        }
+  }
   cp_async_wait<0>();
   __syncthreads();
   {  // K K^T (independent of the value head)
@@ -92,9 +112,11 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
     const St* dWg = static_cast<const St*>(p.dW) + chv * C * K;
     const St* dVnTg = static_cast<const St*>(p.dVnT) + chv * V * C;
     const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * V;
+    float dgam_qk = 0.f;  // grad_qk's partial gradients of gam (row tid), used at the end of this head
     if (tid < 64) {
       gam[tid] = p.gam[chv * C + tid];
       bet[tid] = tid < ci.len ? p.beta[(ci.bos + tid) * p.HV + hv] : 0.f;
+      for (int kb = 0; kb < K / 64; ++kb) dgam_qk += p.dgam1[((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hv) * C + tid];
     }
     load_tile<St, C, C, 128>(TmS, LDC, static_cast<const St*>(p.Tm) + chv * C * C, C, C, tid);
     if constexpr (RES) {
@@ -209,7 +231,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
 
     // dK2 = diag(beta e^gam) Tm^T dW + R K + R^T K  (added into dk), per 64-column block
     float rx[2] = {0.f, 0.f};
-#pragma unroll 1
+#pragma unroll(DKREG ? K / 64 : 1)  // (dka is indexed by kb: registers only when unrolled)
     for (int kb = 0; kb < K / 64; ++kb) {
       const St* bA = get_dW(kb);
       float X[8][4], RK[8][4];
@@ -242,7 +264,10 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
           const float eg = __expf(gam[i]);
           const float x0 = X[nt][2 * hr], x1 = X[nt][2 * hr + 1];
           rx[hr] += eg * (to_f<St>(Ks[i * LDK + k]) * x0 + to_f<St>(Ks[i * LDK + k + 1]) * x1);
-          if (i < ci.len) {
+          if constexpr (DKREG) {
+            dka[kb][nt][2 * hr] += bet[i] * eg * x0 + RK[nt][2 * hr];
+            dka[kb][nt][2 * hr + 1] += bet[i] * eg * x1 + RK[nt][2 * hr + 1];
+          } else if (i < ci.len) {
             // dk sums over the value heads of the group in fp32 (dk1), stored in its dtype after the last one
             const int64_t off = (ci.bos + i) * HK + h * K + k;
             const float2 cur = *reinterpret_cast<const float2*>(p.dk1 + off);
@@ -297,18 +322,35 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
     __syncthreads();
     if (tid < 64) {
       const int i = tid;
-      float d = rowv[i] - ((colv[i] + colv[64 + i]) + (colv[128 + i] + colv[192 + i]));
-      for (int kb = 0; kb < K / 64; ++kb) d += p.dgam1[((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hv) * C + i];
-      rowv[i] = d;
+      rowv[i] = rowv[i] - ((colv[i] + colv[64 + i]) + (colv[128 + i] + colv[192 + i])) + dgam_qk;
     }
     __syncthreads();
-    if (tid < 64) {
-      const int i = tid;
-      float s = 0.f;
-      for (int t = C - 1; t >= i; --t) s += rowv[t];
-      if (i < ci.len) p.dg[(ci.bos + i) * p.HV + hv] = s;
+    if (warp == 0) {
+      // dg = reverse cumsum of dgam: lane l holds rows 62 - 2l and 63 - 2l, a prefix scan over lanes sums the rows
+      // from the end
+      const int r_lo = C - 2 - 2 * lane, r_hi = r_lo + 1;
+      const float x_lo = rowv[r_lo], x_hi = rowv[r_hi];
+      const float incl = warp_incl_scan(x_lo + x_hi);
+      float excl = __shfl_up_sync(0xffffffffu, incl, 1);  // the rows after r_hi
+      if (lane == 0) excl = 0.f;
+      const float s_hi = excl + x_hi, s_lo = s_hi + x_lo;
+      if (r_lo < ci.len) p.dg[(ci.bos + r_lo) * p.HV + hv] = s_lo;
+      if (r_hi < ci.len) p.dg[(ci.bos + r_hi) * p.HV + hv] = s_hi;
     }
     __syncthreads();
+  }
+  if constexpr (DKREG) {
+#pragma unroll
+    for (int kb = 0; kb < K / 64; ++kb)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int i = 16 * warp + g8 + 8 * hr;
+          if (i >= ci.len) continue;
+          const int64_t off = (ci.bos + i) * HK + h * K + kb * 64 + 8 * nt + 2 * q;
+          st2_grad<St>(p.dk, off, dka[kb][nt][2 * hr], dka[kb][nt][2 * hr + 1], p.grad_f32);
+        }
   }
 }
 

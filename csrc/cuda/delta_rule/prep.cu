@@ -24,6 +24,8 @@ struct PrepSmem {
   // |k|^2
   static constexpr size_t bytes = sizeof(St) * (size_t)(C * LDK + R1) + sizeof(float) * (2 * C * (C + 1) + kInvScratch + 4 * C);
   static_assert(sizeof(St) * C * LDC <= sizeof(float) * 2 * C * (C + 1), "V tile must fit over Mf and Tf");
+  // a V tile of up to 128 columns fits there too for 16-bit types
+  static constexpr bool kWholeV = sizeof(St) * C * (128 + PAD) <= sizeof(float) * 2 * C * (C + 1);
   // K K^T and Q K^T stay in registers across the value heads (64 per thread): three CTAs per SM still fit for
   // 16-bit inputs at K <= 128 (shared memory allows three there)
   static constexpr int kMinBlocks = (sizeof(St) == 2 && K <= 128) ? 3 : 2;
@@ -50,6 +52,9 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
   const int hv0 = (blockIdx.x % blocks) * p.prep_heads, c = blockIdx.x / blocks, h = hv0 / p.G;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
   const ChunkInfo ci = chunk_info(p, c);
+  // V's tile: whole (one load) where it fits over M and Tm, else one 64-column block at a time
+  const bool whole_v = S::kWholeV && p.V <= 128;
+  const int LDV = whole_v ? p.V + S::PAD : LDC;
 
   const St* kg = static_cast<const St*>(p.k) + (ci.bos * p.H + h) * K;
   const St* qg = static_cast<const St*>(p.q) + (ci.bos * p.H + h) * K;
@@ -132,22 +137,23 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
       if (lane == 0) p.lnorm[chv] = gam[C - 1] + pen;
     }
 
-    St* Ag = static_cast<St*>(p.A) + chv * C * C;
+    {
+      float av[8][4];  // A in the accumulator layout, stored 16 bytes per lane
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+      for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int i = 16 * warp + g8 + 8 * hr;
-        float av[2];
+        for (int hr = 0; hr < 2; ++hr) {
+          const int i = 16 * warp + g8 + 8 * hr;
 #pragma unroll
-        for (int e1 = 0; e1 < 2; ++e1) {
-          const int j = 8 * nt + 2 * q + e1;
-          const float E = (i >= j) ? __expf(gam[i] - gam[j]) : 0.f;
-          Mf[i * LDF + j] = (i > j) ? bet[i] * kk[nt][2 * hr + e1] * E : 0.f;
-          av[e1] = qk[nt][2 * hr + e1] * E;
+          for (int e1 = 0; e1 < 2; ++e1) {
+            const int j = 8 * nt + 2 * q + e1;
+            const float E = (i >= j) ? __expf(gam[i] - gam[j]) : 0.f;
+            Mf[i * LDF + j] = (i > j) ? bet[i] * kk[nt][2 * hr + e1] * E : 0.f;
+            av[nt][2 * hr + e1] = qk[nt][2 * hr + e1] * E;
+          }
         }
-        st2<St>(Ag + i * C + 8 * nt + 2 * q, av[0], av[1]);
       }
+      store_frag_rows<St, 8>(static_cast<St*>(p.A) + (chv * C + 16 * warp) * C, C, av, g8, q);
     }
     __syncthreads();
     block_inverse(Mf, Tf, Pf, tid);
@@ -165,9 +171,16 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
     }
     if (tid < C) p.gam[chv * C + tid] = gam[tid];
     __syncthreads();
-    // the V tile goes where M and Tm were
+    // the V tile goes where M and Tm were: all of it at once where it fits (16-bit, V <= 128), else 64 columns
+    // at a time
     const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V;
-    load_tile<St, C, C, 128>(Vs, LDC, vg, static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
+    const int64_t vstride = static_cast<int64_t>(p.HV) * p.V;
+    if (whole_v) {
+      if (p.V == 128) load_tile<St, C, 128, 128>(Vs, LDV, vg, vstride, ci.len, tid);
+      else load_tile<St, C, C, 128>(Vs, LDV, vg, vstride, ci.len, tid);
+    } else {
+      load_tile<St, C, C, 128>(Vs, LDV, vg, vstride, ci.len, tid);
+    }
     cp_async_commit();
 
     // W = (Tm diag(beta e^gam)) K, in 64-column blocks
@@ -177,34 +190,26 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
       float acc[8][4];
       zero_acc(acc);
       warp_mma_16x64x64<St, false, true>(acc, TmBG, LDC, 16 * warp, Ks, LDK, nb * 64);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const int i = 16 * warp + g8, col = nb * 64 + 8 * nt + 2 * q;
-        st2<St>(Wg + i * K + col, acc[nt][0], acc[nt][1]);
-        st2<St>(Wg + (i + 8) * K + col, acc[nt][2], acc[nt][3]);
-      }
+      store_frag_rows<St, 8>(Wg + 16 * warp * K + nb * 64, K, acc, g8, q);
     }
 
     // U = (Tm diag(beta)) V, one 64-column block of V at a time
     St* Ug = static_cast<St*>(p.U) + chv * C * p.V;
 #pragma unroll 1
     for (int vb = 0; vb < p.V / 64; ++vb) {
-      if (vb > 0) {
+      if (vb > 0 && !whole_v) {
         __syncthreads();
-        load_tile<St, C, C, 128>(Vs, LDC, vg + vb * 64, static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
+        load_tile<St, C, C, 128>(Vs, LDV, vg + vb * 64, vstride, ci.len, tid);
         cp_async_commit();
       }
-      cp_async_wait<0>();
-      __syncthreads();
+      if (vb == 0 || !whole_v) {
+        cp_async_wait<0>();
+        __syncthreads();
+      }
       float acc[8][4];
       zero_acc(acc);
-      warp_mma_16x64x64<St, false, true>(acc, TmB, LDC, 16 * warp, Vs, LDC, 0);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const int i = 16 * warp + g8, col = vb * 64 + 8 * nt + 2 * q;
-        st2<St>(Ug + static_cast<int64_t>(i) * p.V + col, acc[nt][0], acc[nt][1]);
-        st2<St>(Ug + static_cast<int64_t>(i + 8) * p.V + col, acc[nt][2], acc[nt][3]);
-      }
+      warp_mma_16x64x64<St, false, true>(acc, TmB, LDC, 16 * warp, Vs, LDV, whole_v ? vb * 64 : 0);
+      store_frag_rows<St, 8>(Ug + static_cast<int64_t>(16 * warp) * p.V + vb * 64, p.V, acc, g8, q);
     }
   }
 }
