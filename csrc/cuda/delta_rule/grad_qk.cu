@@ -46,7 +46,9 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
   float* colB = rowK + 128; // [4][64]
   float* sdots = colB + 256; // [8]
 
-  const int c = blockIdx.x, h = blockIdx.y, kb = blockIdx.z;
+  // the K blocks of a (chunk, q/k head) are adjacent in the grid: they read the same dO, Vn^T, dVn^T and A tiles,
+  // which the second then finds in L2
+  const int kb = blockIdx.x % (p.K / 64), c = (blockIdx.x / (p.K / 64)) % p.NC, h = blockIdx.x / ((p.K / 64) * p.NC);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
   const int rg = warp & 3, chf = warp >> 2;
   const ChunkInfo ci = chunk_info(p, c);
@@ -187,9 +189,11 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
         const int col0 = 32 * chf + 8 * nt + 2 * q;
         dAEs[i * LDC + col0] = from_f<St>(dae[0]);
         dAEs[i * LDC + col0 + 1] = from_f<St>(dae[1]);
-        st2<St>(dWg + i * K + col0, -dWn[nt][2 * hr], -dWn[nt][2 * hr + 1]);
+        dWn[nt][2 * hr] = -dWn[nt][2 * hr];
+        dWn[nt][2 * hr + 1] = -dWn[nt][2 * hr + 1];
       }
     }
+    store_frag_rows<St, 4>(dWg + 16 * rg * K + 32 * chf, K, dWn, g8, q);
     // reductions: rows over the quad, columns over the 8 row-lanes
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -270,7 +274,7 @@ void launch_grad_qk(const Params& p, DType dtype, void* stream) {
     using F = QkCfg<St>;
     auto kern = grad_qk_kernel<St>;
     GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
-    kern<<<dim3(p.NC, p.H, p.K / 64), 256, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
+    kern<<<dim3(p.NC * p.H * (p.K / 64)), 256, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
     GD_CUDA_LAUNCH_CHECK();
   });
 }

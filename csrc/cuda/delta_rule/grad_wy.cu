@@ -18,6 +18,7 @@
 #include "chunks.cuh"
 #include "mma.cuh"
 #include "tile_load.cuh"
+#include "tri_inverse.cuh"  // kLdF
 
 namespace gated_delta {
 namespace cuda {
@@ -25,7 +26,7 @@ namespace cuda {
 // ---------------------------------------------------------------------------------------------------------------
 template <class St, int K>
 struct WyCfg {
-  static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD, LDF = C + 1, TILE = C * LDC;
+  static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD, LDF = kLdF, TILE = C * LDC;
   static constexpr size_t base_bytes =
       sizeof(St) * (size_t)(C * LDK + 2 * TILE) + sizeof(float) * (C * LDF + 3 * 64 + 4 * 64);
   // RES: every 64-column block of dW, dVn^T and V of one value head stays resident; else two streamed buffers

@@ -22,10 +22,10 @@ struct PrepSmem {
   static constexpr int R1 = (C * LDK > 2 * C * LDC) ? C * LDK : 2 * C * LDC;  // Q, later Tm diag(.) tiles
   // fp32 region: Mf, Tf (the V tile reuses it once the inverse is done), inverse scratch, gam, beta, beta e^gam,
   // |k|^2
-  static constexpr size_t bytes = sizeof(St) * (size_t)(C * LDK + R1) + sizeof(float) * (2 * C * (C + 1) + kInvScratch + 4 * C);
-  static_assert(sizeof(St) * C * LDC <= sizeof(float) * 2 * C * (C + 1), "V tile must fit over Mf and Tf");
+  static constexpr size_t bytes = sizeof(St) * (size_t)(C * LDK + R1) + sizeof(float) * (2 * C * kLdF + kInvScratch + 4 * C);
+  static_assert(sizeof(St) * C * LDC <= sizeof(float) * 2 * C * kLdF, "V tile must fit over Mf and Tf");
   // a V tile of up to 128 columns fits there too for 16-bit types
-  static constexpr bool kWholeV = sizeof(St) * C * (128 + PAD) <= sizeof(float) * 2 * C * (C + 1);
+  static constexpr bool kWholeV = sizeof(St) * C * (128 + PAD) <= sizeof(float) * 2 * C * kLdF;
   // K K^T and Q K^T stay in registers across the value heads (64 per thread): three CTAs per SM still fit for
   // 16-bit inputs at K <= 128 (shared memory allows three there)
   static constexpr int kMinBlocks = (sizeof(St) == 2 && K <= 128) ? 3 : 2;
@@ -34,7 +34,7 @@ struct PrepSmem {
 template <class St, int K>
 __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(const Params p) {
   using S = PrepSmem<St, K>;
-  constexpr int LDK = S::LDK, LDC = S::LDC, LDF = C + 1;
+  constexpr int LDK = S::LDK, LDC = S::LDC, LDF = kLdF;
   extern __shared__ __align__(16) unsigned char smem[];
   St* Ks = reinterpret_cast<St*>(smem);
   St* R1 = Ks + C * LDK;
@@ -164,7 +164,8 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
     St* Tmg = p.Tm != nullptr ? static_cast<St*>(p.Tm) + chv * C * C : nullptr;
     for (int e = tid; e < C * C / 2; e += 128) {  // two consecutive columns per step
       const int i = e / (C / 2), j = 2 * (e % (C / 2));
-      const float t0 = Tf[i * LDF + j], t1 = Tf[i * LDF + j + 1];
+      const float2 t = *reinterpret_cast<const float2*>(Tf + i * LDF + j);
+      const float t0 = t.x, t1 = t.y;
       st2<St>(TmB + i * LDC + j, t0 * bet[j], t1 * bet[j + 1]);
       st2<St>(TmBG + i * LDC + j, t0 * beg[j], t1 * beg[j + 1]);
       if (Tmg != nullptr) st2<St>(Tmg + i * C + j, t0, t1);

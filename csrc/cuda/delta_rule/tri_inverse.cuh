@@ -7,13 +7,18 @@
 namespace gated_delta {
 namespace cuda {
 
-// ---- (I + M)^-1 for a strictly lower-triangular 64 x 64 fp32 M in shared memory (ld 65), 128 threads ----
+// Row stride of the 64 x 64 fp32 tiles in shared memory (M, Tm, K K^T): even, so that pairs load and store as 8 bytes,
+// and 4 mod 32, so that the accumulator-fragment pattern (rows g, columns 2q) and the substitution's two blocks per
+// warp hit distinct banks or at most two ways
+constexpr int kLdF = C + 4;
+
+// ---- (I + M)^-1 for a strictly lower-triangular 64 x 64 fp32 M in shared memory (ld kLdF), 128 threads ----
 // Diagonal 16 x 16 blocks by forward substitution (one column per thread), then two merge levels on tensor cores
 // in split bf16x3 (about fp32 accuracy):  [[A, 0], [C, B]]^-1 = [[A^-1, 0], [-B^-1 C A^-1, B^-1]]
-// (16 -> 32 for the two diagonal 32-blocks, then 32 -> 64). Result in Tf (ld 65); Pf: kInvScratch floats.
+// (16 -> 32 for the two diagonal 32-blocks, then 32 -> 64). Result in Tf (ld kLdF); Pf: kInvScratch floats.
 constexpr int kInvScratch = 32 * 33;
 __device__ __forceinline__ void block_inverse(const float* Mf, float* Tf, float* Pf, int tid) {
-  constexpr int LD = C + 1;
+  constexpr int LD = kLdF;
   const int warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
   for (int e = tid; e < C * C; e += 128) {
     const int i = e >> 6, j = e & 63;
