@@ -243,11 +243,15 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
       const int i = tid;
       float v = rowA[i] + rowA[64 + i] - (rowK[i] + rowK[64 + i]);
       if (kb == 0) v -= (colB[i] + colB[64 + i]) + (colB[128 + i] + colB[192 + i]);
-      if (i == C - 1) {
-        float sd = 0.f, kd = 0.f;
-        for (int w = 0; w < 8; ++w) sd += sdots[w];
-        for (int j = 0; j < 64; ++j) kd += rowK[j] + rowK[64 + j];
-        v += __expf(gL) * sd + kd;
+      if (warp == 1) {  // rows 32..63: the last row also takes sum(hT o dhT) and the sum of rowK, by warp sums
+        float kd = (rowK[lane] + rowK[64 + lane]) + (rowK[32 + lane] + rowK[96 + lane]);
+        float sd = lane < 8 ? sdots[lane] : 0.f;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          kd += __shfl_xor_sync(0xffffffffu, kd, o);
+          sd += __shfl_xor_sync(0xffffffffu, sd, o);
+        }
+        if (i == C - 1) v += __expf(gL) * sd + kd;
       }
       p.dgam1[((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hv) * C + i] = v;
     }
