@@ -22,6 +22,7 @@
 #include "mma.cuh"
 #include "tile_load.cuh"
 #include "warmup.cuh"
+#include "wgmma.cuh"
 
 namespace gated_delta {
 namespace cuda {
@@ -36,18 +37,30 @@ struct FwdCfg {
   static constexpr bool Q_ALIAS = WITH_Q && F32 && K == 256;  // Q reuses W's buffer after Vn is formed
   static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD, LDT = TW + PAD;
   static constexpr int NKT = 2 + ((WITH_Q && !Q_ALIAS) ? 1 : 0);  // K-wide tiles per stage: W, K, [Q]
-  static constexpr size_t STAGE_BYTES = sizeof(St) * (size_t)(NKT * C * LDK + C * LDT + C * LDC) + 256;
+  // warpgroup products (wgmma.cuh): 16-bit inputs, K <= 128, one warpgroup per 64-column tile, modes 0 and 1.
+  // A stage then holds W (and Q below it, rows 64..127: one B operand for S^T [W | Q]^T), K and A as sw128 tiles
+  // on 1024-byte boundaries, and U^T, gam as below.
+  static constexpr bool WG = HasWgmma<St>::value && K <= 128 && TW == 64 && KSP == 1 && MODE != 2;
+  static constexpr int NWQ = WITH_Q ? 2 : 1;                 // row blocks of 64 in the W (| Q) tile
+  static constexpr size_t WQ_BYTES = (size_t)K * NWQ * 128;  // K / 64 blocks of 64 NWQ rows of 128 bytes
+  static constexpr size_t KT_BYTES = (size_t)K * 128, AT_BYTES = (MODE == 0) ? 8192 : 0;
+  static constexpr size_t UT_BYTES = sizeof(St) * C * LDT;
+  static constexpr size_t STAGE_BYTES =
+      WG ? (WQ_BYTES + KT_BYTES + AT_BYTES + UT_BYTES + 256 + 1023) / 1024 * 1024
+         : sizeof(St) * (size_t)(NKT * C * LDK + C * LDT + C * LDC) + 256;
   static constexpr size_t RED_BYTES = (KS == 2) ? sizeof(float) * (2 * NVR * 1024 + NVR * 1024) : 0;
   static constexpr size_t OS_BYTES = (MODE == 0) ? sizeof(St) * C * LDT : 0;
   static constexpr size_t X_BYTES = RED_BYTES > OS_BYTES ? RED_BYTES : OS_BYTES;  // Os aliases the reduction space
-  static constexpr size_t bytes = STAGES * STAGE_BYTES + X_BYTES;
+  static constexpr size_t ALIGN = WG ? 1024 : 0;  // room to move the stages onto a 1024-byte boundary
+  static constexpr size_t bytes = STAGES * STAGE_BYTES + X_BYTES + ALIGN;
 };
 
 template <class St, int K, int MODE, int TW, int KSP>
 __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd_kernel(const Params p) {
   using F = FwdCfg<St, K, MODE, TW, KSP>;
   constexpr int KS = F::KS, KW = F::KW, NT = F::NT, LDK = F::LDK, LDC = F::LDC, LDT = F::LDT, NVR = F::NVR;
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + (F::WG ? (1024 - (smem_u32(smem_raw) & 1023)) & 1023 : 0);
   unsigned char* xbuf = smem + F::STAGES * F::STAGE_BYTES;
   float* red = reinterpret_cast<float*>(xbuf);
   St* Os = reinterpret_cast<St*>(xbuf);
@@ -63,6 +76,14 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
 
   auto stage_ptr = [&](int b, St*& Ws, St*& Ks, St*& Qs, St*& Us, St*& As, float*& gs) {
     unsigned char* base = smem + b * F::STAGE_BYTES;
+    if constexpr (F::WG) {
+      Ws = Qs = reinterpret_cast<St*>(base);  // (Q: rows 64.. of the W tile's blocks)
+      Ks = reinterpret_cast<St*>(base + F::WQ_BYTES);
+      As = reinterpret_cast<St*>(base + F::WQ_BYTES + F::KT_BYTES);
+      Us = reinterpret_cast<St*>(base + F::WQ_BYTES + F::KT_BYTES + F::AT_BYTES);
+      gs = reinterpret_cast<float*>(base + F::WQ_BYTES + F::KT_BYTES + F::AT_BYTES + F::UT_BYTES);
+      return;
+    }
     Ws = reinterpret_cast<St*>(base);
     Ks = Ws + C * LDK;
     Qs = F::Q_ALIAS ? Ws : Ks + C * LDK;
@@ -76,6 +97,21 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
     stage_ptr(b, Ws, Ks, Qs, Us, As, gs);
     const ChunkInfo ci = chunk_info(p, c, un.n);
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+    if constexpr (F::WG) {
+      constexpr int RT = 64 * F::NWQ;
+      auto* wb = reinterpret_cast<unsigned char*>(Ws);
+      load_tile_sw128<St, C, K, RT, NT>(wb, 0, static_cast<const St*>(p.W) + chv * C * K, K, C, tid);
+      if constexpr (F::WITH_Q)
+        load_tile_sw128<St, C, K, RT, NT>(wb, 64, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
+      load_tile_sw128<St, C, K, C, NT>(reinterpret_cast<unsigned char*>(Ks), 0,
+                                       static_cast<const St*>(p.k) + ci.bos * HK + h * K, HK, ci.len, tid);
+      load_tile<St, C, TW, NT>(Us, LDT, static_cast<const St*>(p.U) + chv * C * p.V + vt * TW, p.V, C, tid);
+      if constexpr (MODE == 0)
+        load_tile_sw128<St, C, C, C, NT>(reinterpret_cast<unsigned char*>(As), 0,
+                                         static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
+      if (tid < 16) cp_async16(gs + 4 * tid, p.gam + chv * C + 4 * tid, true);
+      return;
+    }
     load_tile<St, C, K, NT>(Ws, LDK, static_cast<const St*>(p.W) + chv * C * K, K, C, tid);
     load_tile<St, C, K, NT>(Ks, LDK, static_cast<const St*>(p.k) + ci.bos * HK + h * K, HK, ci.len, tid);
     if constexpr (F::WITH_Q && !F::Q_ALIAS)
@@ -103,6 +139,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
       cp_async_commit();
       cp_async_wait<0>();
     }
+    if constexpr (F::WG) fence_async_smem();  // the tiles are read by wgmma next
     __syncthreads();
     St *Ws, *Ks, *Qs, *Us, *As;
     float* gs;
@@ -111,78 +148,95 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
 
     // S^T W^T (and S^T Q^T) over this warp's half of K
-    float acc_vn[8][4], acc_o[8][4];
-    zero_acc(acc_vn);
-    zero_acc(acc_o);
+    float acc[2][8][4];
+    float(&acc_vn)[8][4] = acc[0];
+    float(&acc_o)[8][4] = acc[1];
+    if constexpr (F::WG) {
+      // one warpgroup product over K: S^T [W | Q]^T, 64 (mode 1: W only) or 128 columns
+      FragA<St> sa[K / 16];
 #pragma unroll
-    for (int kk = 0; kk < KW / 16; ++kk) {
-      const FragA<St> a = frag_a_from_c<St>(S[2 * kk], S[2 * kk + 1]);
+      for (int kk = 0; kk < K / 16; ++kk) sa[kk] = frag_a_from_c<St>(S[2 * kk], S[2 * kk + 1]);
+      auto& d = reinterpret_cast<float(&)[8 * F::NWQ][4]>(acc);
+      wg_fence();
 #pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        FragB<St> b[2];
-        ldb<St>(b, Ws, LDK, 16 * np, ks * KW + 16 * kk);
-        mma<St>(acc_vn[2 * np], a, b[0]);
-        mma<St>(acc_vn[2 * np + 1], a, b[1]);
-        if constexpr (F::WITH_Q && !F::Q_ALIAS) {
-          ldb<St>(b, Qs, LDK, 16 * np, ks * KW + 16 * kk);
-          mma<St>(acc_o[2 * np], a, b[0]);
-          mma<St>(acc_o[2 * np + 1], a, b[1]);
-        }
-      }
-    }
-    if constexpr (F::Q_ALIAS) {
-      __syncthreads();
-      load_tile<St, C, K, NT>(Qs, LDK, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
-      cp_async_commit();
-      cp_async_wait<0>();
-      __syncthreads();
+      for (int kk = 0; kk < K / 16; ++kk)
+        wgmma_rs<St, 0>(d, sa[kk], sw128_desc(Ws + (kk >> 2) * 64 * F::NWQ * 64 + (kk & 3) * 16, 16), kk > 0);
+      wg_commit();
+      wg_wait<0>();
+      wg_fence_acc(d);
+    } else {
+      zero_acc(acc_vn);
+      zero_acc(acc_o);
 #pragma unroll
       for (int kk = 0; kk < KW / 16; ++kk) {
         const FragA<St> a = frag_a_from_c<St>(S[2 * kk], S[2 * kk + 1]);
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
           FragB<St> b[2];
-          ldb<St>(b, Qs, LDK, 16 * np, ks * KW + 16 * kk);
-          mma<St>(acc_o[2 * np], a, b[0]);
-          mma<St>(acc_o[2 * np + 1], a, b[1]);
+          ldb<St>(b, Ws, LDK, 16 * np, ks * KW + 16 * kk);
+          mma<St>(acc_vn[2 * np], a, b[0]);
+          mma<St>(acc_vn[2 * np + 1], a, b[1]);
+          if constexpr (F::WITH_Q && !F::Q_ALIAS) {
+            ldb<St>(b, Qs, LDK, 16 * np, ks * KW + 16 * kk);
+            mma<St>(acc_o[2 * np], a, b[0]);
+            mma<St>(acc_o[2 * np + 1], a, b[1]);
+          }
         }
       }
-    }
-    if constexpr (KS == 2) {
-      // the partial products over K are summed through shared memory; in mode 0 each warp of a pair then
-      // finishes half of the chunk's tokens of O^T (warp ks: n-tiles 4 ks .. 4 ks + 3), so it hands the other
-      // half of its partial S^T Q^T to its partner
-      float* mine = red + (ks * NVR + vr) * 1024 + lane;
+      if constexpr (F::Q_ALIAS) {
+        __syncthreads();
+        load_tile<St, C, K, NT>(Qs, LDK, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
+        for (int kk = 0; kk < KW / 16; ++kk) {
+          const FragA<St> a = frag_a_from_c<St>(S[2 * kk], S[2 * kk + 1]);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) mine[(nt * 4 + e) * 32] = acc_vn[nt][e];
-      if constexpr (MODE == 0) {
-        float* give = red + 2 * NVR * 1024 + (ks * NVR + vr) * 512 + lane;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) give[(j * 4 + e) * 32] = ks ? acc_o[j][e] : acc_o[j + 4][e];
-      }
-      __syncthreads();
-      const float* p0 = red + vr * 1024 + lane;
-      const float* p1 = red + (NVR + vr) * 1024 + lane;
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_vn[nt][e] = p0[(nt * 4 + e) * 32] + p1[(nt * 4 + e) * 32];
-      if constexpr (MODE == 0) {
-        // this warp's half, moved to n-tiles 0..3 (the partner's part added in a fixed order: ks 0 + ks 1)
-        const float* take = red + 2 * NVR * 1024 + ((1 - ks) * NVR + vr) * 512 + lane;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float other = take[(j * 4 + e) * 32];
-            acc_o[j][e] = ks ? other + acc_o[j + 4][e] : acc_o[j][e] + other;
+          for (int np = 0; np < 4; ++np) {
+            FragB<St> b[2];
+            ldb<St>(b, Qs, LDK, 16 * np, ks * KW + 16 * kk);
+            mma<St>(acc_o[2 * np], a, b[0]);
+            mma<St>(acc_o[2 * np + 1], a, b[1]);
           }
+        }
       }
-      __syncthreads();
+      if constexpr (KS == 2) {
+        // the partial products over K are summed through shared memory; in mode 0 each warp of a pair then
+        // finishes half of the chunk's tokens of O^T (warp ks: n-tiles 4 ks .. 4 ks + 3), so it hands the other
+        // half of its partial S^T Q^T to its partner
+        float* mine = red + (ks * NVR + vr) * 1024 + lane;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) mine[(nt * 4 + e) * 32] = acc_vn[nt][e];
+        if constexpr (MODE == 0) {
+          float* give = red + 2 * NVR * 1024 + (ks * NVR + vr) * 512 + lane;
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) give[(j * 4 + e) * 32] = ks ? acc_o[j][e] : acc_o[j + 4][e];
+        }
+        __syncthreads();
+        const float* p0 = red + vr * 1024 + lane;
+        const float* p1 = red + (NVR + vr) * 1024 + lane;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_vn[nt][e] = p0[(nt * 4 + e) * 32] + p1[(nt * 4 + e) * 32];
+        if constexpr (MODE == 0) {
+          // this warp's half, moved to n-tiles 0..3 (the partner's part added in a fixed order: ks 0 + ks 1)
+          const float* take = red + 2 * NVR * 1024 + ((1 - ks) * NVR + vr) * 512 + lane;
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float other = take[(j * 4 + e) * 32];
+              acc_o[j][e] = ks ? other + acc_o[j + 4][e] : acc_o[j][e] + other;
+            }
+        }
+        __syncthreads();
+      }
     }
 
     // Vn^T = U^T - S^T W^T
@@ -222,25 +276,12 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
       if (ks == 0) store_frag_rows<St, 8>(static_cast<St*>(p.VnT) + (chv * p.V + v0) * C, C, vn, g8, q);
     }
 
-    if (MODE == 0 && c >= run.ob) {  // (warm-up chunks skip the output)
-      // O^T of this warp's tokens t0 .. t0 + 8 NO - 1 (all 64 unless K is split over a warp pair)
-      constexpr int NO = (KS == 2) ? 4 : 8;
-      const int t0 = (KS == 2) ? 32 * ks : 0;
-#pragma unroll
-      for (int nt = 0; nt < NO; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[nt][e] *= p.scale * __expf(gs[t0 + 8 * nt + 2 * q + (e & 1)]);
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const FragA<St> a = frag_a_from_c<St>(vn[2 * kk], vn[2 * kk + 1], p.scale);
-#pragma unroll
-        for (int np = 0; np < NO / 2; ++np) {
-          FragB<St> b[2];
-          ldb<St>(b, As, LDC, t0 + 16 * np, 16 * kk);
-          mma<St>(acc_o[2 * np], a, b[0]);
-          mma<St>(acc_o[2 * np + 1], a, b[1]);
-        }
-      }
+    // O^T of this warp's tokens t0 .. t0 + 8 NO - 1 (all 64 unless K is split over a warp pair); warm-up chunks
+    // skip the output
+    const bool out = MODE == 0 && c >= run.ob;
+    constexpr int NO = (KS == 2) ? 4 : 8;
+    const int t0 = (KS == 2) ? 32 * ks : 0;
+    auto emit_o = [&] {  // through shared memory, 16 bytes per lane
 #pragma unroll
       for (int nt = 0; nt < NO; ++nt)
 #pragma unroll
@@ -257,6 +298,28 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
           *reinterpret_cast<int4*>(og + static_cast<int64_t>(r) * p.HV * p.V + cv * EPV) =
               *reinterpret_cast<const int4*>(Os + r * LDT + cv * EPV);
       }
+    };
+    if (out) {
+#pragma unroll
+      for (int nt = 0; nt < NO; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[nt][e] *= p.scale * __expf(gs[t0 + 8 * nt + 2 * q + (e & 1)]);
+    }
+    if constexpr (!F::WG) {
+      if (out) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const FragA<St> a = frag_a_from_c<St>(vn[2 * kk], vn[2 * kk + 1], p.scale);
+#pragma unroll
+          for (int np = 0; np < NO / 2; ++np) {
+            FragB<St> b[2];
+            ldb<St>(b, As, LDC, t0 + 16 * np, 16 * kk);
+            mma<St>(acc_o[2 * np], a, b[0]);
+            mma<St>(acc_o[2 * np + 1], a, b[1]);
+          }
+        }
+        emit_o();
+      }
     }
 
     // S^T <- e^{gam_L} S^T + (Vn^T diag(e^{gam_L - gam})) K
@@ -266,18 +329,54 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
     for (int nt = 0; nt < KW / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) S[nt][e] *= dl;
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    auto kfrag = [&](int kk) {  // tokens 16 kk .. 16 kk + 15 of Vn^T diag(e^{gam_L - gam})
       const int j0 = 16 * kk + 2 * q;
       const float fk[4] = {__expf(gl - gs[j0]), __expf(gl - gs[j0 + 1]), __expf(gl - gs[j0 + 8]),
                            __expf(gl - gs[j0 + 9])};
-      const FragA<St> a = frag_a_from_c_cols<St>(vn[2 * kk], vn[2 * kk + 1], fk);
+      return frag_a_from_c_cols<St>(vn[2 * kk], vn[2 * kk + 1], fk);
+    };
+    if constexpr (F::WG) {
+      // S^T += (Vn^T diag(e^{gam_L - gam})) K (K N-major), then the output's part (scale Vn^T) A^T (A K-major)
+      // into a fresh accumulator (accumulating into acc_o, a slice of the first product's accumulator, would
+      // serialize the products)
+      FragA<St> ka[4];
 #pragma unroll
-      for (int np = 0; np < KW / 16; ++np) {
-        FragB<St> b[2];
-        ldb_t<St>(b, Ks, LDK, 16 * kk, ks * KW + 16 * np);
-        mma<St>(S[2 * np], a, b[0]);
-        mma<St>(S[2 * np + 1], a, b[1]);
+      for (int kk = 0; kk < 4; ++kk) ka[kk] = kfrag(kk);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(S, ka[kk], sw128_desc(Ks + 16 * kk * 64, 64 * 128), 1);
+      wg_commit();
+      float o2[8][4];
+      if constexpr (MODE == 0) {  // (warm-up chunks too: no branch between the fence and the products)
+        FragA<St> va[4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) va[kk] = frag_a_from_c<St>(vn[2 * kk], vn[2 * kk + 1], p.scale);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 0>(o2, va[kk], sw128_desc(As + 16 * kk, 16), kk > 0);
+        wg_commit();
+      }
+      wg_wait<0>();
+      wg_fence_acc(S);
+      if constexpr (MODE == 0) {
+        wg_fence_acc(o2);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_o[nt][e] += o2[nt][e];
+      }
+      if (out) emit_o();
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const FragA<St> a = kfrag(kk);
+#pragma unroll
+        for (int np = 0; np < KW / 16; ++np) {
+          FragB<St> b[2];
+          ldb_t<St>(b, Ks, LDK, 16 * kk, ks * KW + 16 * np);
+          mma<St>(S[2 * np], a, b[0]);
+          mma<St>(S[2 * np + 1], a, b[1]);
+        }
       }
     }
     __syncthreads();
