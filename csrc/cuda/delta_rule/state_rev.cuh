@@ -15,11 +15,12 @@
 #include "mma.cuh"
 #include "tile_load.cuh"
 #include "warmup.cuh"
+#include "wgmma.cuh"
 
 namespace gated_delta {
 namespace cuda {
 
-template <class St, int K, int TW>
+template <class St, int K, int TW, int MODE>
 struct RevCfg {
   static constexpr int NVR = TW / 16;  // warps over the rows of the state tile
   static constexpr int KS = (K == 256) ? 2 : 1, KW = K / KS, NT = 32 * NVR * KS;
@@ -28,16 +29,23 @@ struct RevCfg {
   static constexpr bool Q_ALIAS = F32 && K == 256;  // Q reuses W's buffer after the W product
   static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD, LDT = TW + PAD;
   static constexpr int NKT = Q_ALIAS ? 2 : 3;  // W, K, [Q]
-  static constexpr size_t STAGE_BYTES = sizeof(St) * (size_t)(NKT * C * LDK + C * LDC + C * LDT) + 256;
+  // warpgroup products (wgmma.cuh): 16-bit inputs, K <= 128, one warpgroup per 64-column tile, mode 0. A stage
+  // then holds W, K, Q and A as sw128 tiles on 1024-byte boundaries, and dO, gam as below.
+  static constexpr bool WG = HasWgmma<St>::value && K <= 128 && TW == 64 && MODE == 0;
+  static constexpr size_t KT_BYTES = (size_t)K * 128, AT_BYTES = 8192, DT_BYTES = sizeof(St) * C * LDT;
+  static constexpr size_t STAGE_BYTES = WG ? (3 * KT_BYTES + AT_BYTES + DT_BYTES + 256 + 1023) / 1024 * 1024
+                                           : sizeof(St) * (size_t)(NKT * C * LDK + C * LDC + C * LDT) + 256;
   static constexpr size_t RED_BYTES = (KS == 2) ? sizeof(float) * (2 * NVR * 1024) : 0;
-  static constexpr size_t bytes = STAGES * STAGE_BYTES + RED_BYTES;
+  static constexpr size_t ALIGN = WG ? 1024 : 0;  // room to move the stages onto a 1024-byte boundary
+  static constexpr size_t bytes = STAGES * STAGE_BYTES + RED_BYTES + ALIGN;
 };
 
 template <class St, int K, int MODE, int TW>
-__global__ void __launch_bounds__(RevCfg<St, K, TW>::NT, 1) state_rev_kernel(const Params p) {
-  using F = RevCfg<St, K, TW>;
+__global__ void __launch_bounds__(RevCfg<St, K, TW, MODE>::NT, 1) state_rev_kernel(const Params p) {
+  using F = RevCfg<St, K, TW, MODE>;
   constexpr int KS = F::KS, KW = F::KW, NT = F::NT, LDK = F::LDK, LDC = F::LDC, LDT = F::LDT, NVR = F::NVR;
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + (F::WG ? (1024 - (smem_u32(smem_raw) & 1023)) & 1023 : 0);
   float* red = reinterpret_cast<float*>(smem + F::STAGES * F::STAGE_BYTES);
 
   const int u = blockIdx.x, vt = blockIdx.y, hv = blockIdx.z, h = hv / p.G;
@@ -51,6 +59,15 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW>::NT, 1) state_rev_kernel(con
 
   auto stage_ptr = [&](int b, St*& Ws, St*& Ks, St*& Qs, St*& As, St*& Ds, float*& gs) {
     unsigned char* base = smem + b * F::STAGE_BYTES;
+    if constexpr (F::WG) {
+      Ws = reinterpret_cast<St*>(base);
+      Ks = reinterpret_cast<St*>(base + F::KT_BYTES);
+      Qs = reinterpret_cast<St*>(base + 2 * F::KT_BYTES);
+      As = reinterpret_cast<St*>(base + 3 * F::KT_BYTES);
+      Ds = reinterpret_cast<St*>(base + 3 * F::KT_BYTES + F::AT_BYTES);
+      gs = reinterpret_cast<float*>(base + 3 * F::KT_BYTES + F::AT_BYTES + F::DT_BYTES);
+      return;
+    }
     Ws = reinterpret_cast<St*>(base);
     Ks = Ws + C * LDK;
     Qs = F::Q_ALIAS ? Ws : Ks + C * LDK;
@@ -64,6 +81,17 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW>::NT, 1) state_rev_kernel(con
     stage_ptr(b, Ws, Ks, Qs, As, Ds, gs);
     const ChunkInfo ci = chunk_info(p, c, un.n);
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+    if constexpr (F::WG) {
+      auto sw = [](St* t) { return reinterpret_cast<unsigned char*>(t); };
+      load_tile_sw128<St, C, K, C, NT>(sw(Ws), 0, static_cast<const St*>(p.W) + chv * C * K, K, C, tid);
+      load_tile_sw128<St, C, K, C, NT>(sw(Ks), 0, static_cast<const St*>(p.k) + ci.bos * HK + h * K, HK, ci.len, tid);
+      load_tile_sw128<St, C, K, C, NT>(sw(Qs), 0, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
+      load_tile_sw128<St, C, C, C, NT>(sw(As), 0, static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
+      load_tile<St, C, TW, NT>(Ds, LDT, static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * p.V + vt * TW,
+                               static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
+      if (tid < 16) cp_async16(gs + 4 * tid, p.gam + chv * C + 4 * tid, true);
+      return;
+    }
     load_tile<St, C, K, NT>(Ws, LDK, static_cast<const St*>(p.W) + chv * C * K, K, C, tid);
     load_tile<St, C, K, NT>(Ks, LDK, static_cast<const St*>(p.k) + ci.bos * HK + h * K, HK, ci.len, tid);
     if (!homog) {
@@ -94,6 +122,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW>::NT, 1) state_rev_kernel(con
       cp_async_commit();
       cp_async_wait<0>();
     }
+    if constexpr (F::WG) fence_async_smem();  // the tiles are read by wgmma next
     __syncthreads();
     St *Ws, *Ks, *Qs, *As, *Ds;
     float* gs;
@@ -103,48 +132,65 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW>::NT, 1) state_rev_kernel(con
     const int64_t row0 = chv * p.V + vt * TW + vr * 16;  // this warp's first row of dhT / dVn^T
     if (MODE == 0 && out) store_frag_rows<St, KW / 8>(static_cast<St*>(p.dhT) + row0 * K + ks * KW, K, dS, g8, q);
 
-    // dS'^T K^T over this warp's half of K
-    float acc2[8][4];
-    zero_acc(acc2);
+    // dS'^T K^T over this warp's half of K, and dO^T A
+    float acc1[8][4], acc2[8][4];
+    if constexpr (F::WG) {  // one group: K K-major, A N-major; dO^T by ldmatrix.trans
+      FragA<St> sa[K / 16], da[4];
 #pragma unroll
-    for (int kk = 0; kk < KW / 16; ++kk) {
-      const FragA<St> a = frag_a_from_c<St>(dS[2 * kk], dS[2 * kk + 1]);
+      for (int kk = 0; kk < K / 16; ++kk) sa[kk] = frag_a_from_c<St>(dS[2 * kk], dS[2 * kk + 1]);
 #pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        FragB<St> b[2];
-        ldb<St>(b, Ks, LDK, 16 * np, ks * KW + 16 * kk);
-        mma<St>(acc2[2 * np], a, b[0]);
-        mma<St>(acc2[2 * np + 1], a, b[1]);
-      }
-    }
-    if constexpr (KS == 2) {
-      float* mine = red + (ks * NVR + vr) * 1024 + lane;
+      for (int kk = 0; kk < 4; ++kk) da[kk] = lda_t<St>(Ds, LDT, vr * 16, 16 * kk);
+      wg_fence();
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
+      for (int kk = 0; kk < K / 16; ++kk)
+        wgmma_rs<St, 0>(acc2, sa[kk], sw128_desc(Ks + (kk >> 2) * 64 * 64 + (kk & 3) * 16, 16), kk > 0);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) mine[(nt * 4 + e) * 32] = acc2[nt][e];
-      __syncthreads();
-      const float* p0 = red + vr * 1024 + lane;
-      const float* p1 = red + (NVR + vr) * 1024 + lane;
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(acc1, da[kk], sw128_desc(As + 16 * kk * 64, 8192), kk > 0);
+      wg_commit();
+      wg_wait<0>();
+      wg_fence_acc(acc1);
+      wg_fence_acc(acc2);
+    } else {
+      zero_acc(acc2);
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc2[nt][e] = p0[(nt * 4 + e) * 32] + p1[(nt * 4 + e) * 32];
-      __syncthreads();
-    }
-    // dO^T A (every warp computes its rows in full: cheap, and keeps the halves identical)
-    float acc1[8][4];
-    zero_acc(acc1);
-    if (!homog) {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const FragA<St> a = lda_t<St>(Ds, LDT, vr * 16, 16 * kk);
+      for (int kk = 0; kk < KW / 16; ++kk) {
+        const FragA<St> a = frag_a_from_c<St>(dS[2 * kk], dS[2 * kk + 1]);
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
           FragB<St> b[2];
-          ldb_t<St>(b, As, LDC, 16 * kk, 16 * np);
-          mma<St>(acc1[2 * np], a, b[0]);
-          mma<St>(acc1[2 * np + 1], a, b[1]);
+          ldb<St>(b, Ks, LDK, 16 * np, ks * KW + 16 * kk);
+          mma<St>(acc2[2 * np], a, b[0]);
+          mma<St>(acc2[2 * np + 1], a, b[1]);
+        }
+      }
+      if constexpr (KS == 2) {
+        float* mine = red + (ks * NVR + vr) * 1024 + lane;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) mine[(nt * 4 + e) * 32] = acc2[nt][e];
+        __syncthreads();
+        const float* p0 = red + vr * 1024 + lane;
+        const float* p1 = red + (NVR + vr) * 1024 + lane;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc2[nt][e] = p0[(nt * 4 + e) * 32] + p1[(nt * 4 + e) * 32];
+        __syncthreads();
+      }
+      // dO^T A (every warp computes its rows in full: cheap, and keeps the halves identical)
+      zero_acc(acc1);
+      if (!homog) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const FragA<St> a = lda_t<St>(Ds, LDT, vr * 16, 16 * kk);
+#pragma unroll
+          for (int np = 0; np < 4; ++np) {
+            FragB<St> b[2];
+            ldb_t<St>(b, As, LDC, 16 * kk, 16 * np);
+            mma<St>(acc1[2 * np], a, b[0]);
+            mma<St>(acc1[2 * np + 1], a, b[1]);
+          }
         }
       }
     }
@@ -166,35 +212,52 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW>::NT, 1) state_rev_kernel(con
     for (int nt = 0; nt < KW / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dS[nt][e] *= dl;
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const FragA<St> a = frag_a_from_c<St>(dvn[2 * kk], dvn[2 * kk + 1], -1.f);
-#pragma unroll
-      for (int np = 0; np < KW / 16; ++np) {
-        FragB<St> b[2];
-        ldb_t<St>(b, Ws, LDK, 16 * kk, ks * KW + 16 * np);
-        mma<St>(dS[2 * np], a, b[0]);
-        mma<St>(dS[2 * np + 1], a, b[1]);
-      }
-    }
-    if (!homog) {
-      if constexpr (F::Q_ALIAS) {
-        const ChunkInfo ci = chunk_info(p, c, un.n);
-        __syncthreads();
-        load_tile<St, C, K, NT>(Qs, LDK, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
-      }
+    if constexpr (F::WG) {  // one group: W and Q N-major
+      FragA<St> wa[4], qa[4];
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        const FragA<St> a = lda_t_scaled<St>(Ds, LDT, vr * 16, 16 * kk, gs, p.scale);
+        wa[kk] = frag_a_from_c<St>(dvn[2 * kk], dvn[2 * kk + 1], -1.f);
+        qa[kk] = lda_t_scaled<St>(Ds, LDT, vr * 16, 16 * kk, gs, p.scale);
+      }
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(dS, wa[kk], sw128_desc(Ws + 16 * kk * 64, 64 * 128), 1);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(dS, qa[kk], sw128_desc(Qs + 16 * kk * 64, 64 * 128), 1);
+      wg_commit();
+      wg_wait<0>();
+      wg_fence_acc(dS);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const FragA<St> a = frag_a_from_c<St>(dvn[2 * kk], dvn[2 * kk + 1], -1.f);
 #pragma unroll
         for (int np = 0; np < KW / 16; ++np) {
           FragB<St> b[2];
-          ldb_t<St>(b, Qs, LDK, 16 * kk, ks * KW + 16 * np);
+          ldb_t<St>(b, Ws, LDK, 16 * kk, ks * KW + 16 * np);
           mma<St>(dS[2 * np], a, b[0]);
           mma<St>(dS[2 * np + 1], a, b[1]);
+        }
+      }
+      if (!homog) {
+        if constexpr (F::Q_ALIAS) {
+          const ChunkInfo ci = chunk_info(p, c, un.n);
+          __syncthreads();
+          load_tile<St, C, K, NT>(Qs, LDK, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
+          cp_async_commit();
+          cp_async_wait<0>();
+          __syncthreads();
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const FragA<St> a = lda_t_scaled<St>(Ds, LDT, vr * 16, 16 * kk, gs, p.scale);
+#pragma unroll
+          for (int np = 0; np < KW / 16; ++np) {
+            FragB<St> b[2];
+            ldb_t<St>(b, Qs, LDK, 16 * kk, ks * KW + 16 * np);
+            mma<St>(dS[2 * np], a, b[0]);
+            mma<St>(dS[2 * np + 1], a, b[1]);
+          }
         }
       }
     }
@@ -210,7 +273,7 @@ void launch_state_rev_t(const Params& p, int mode, void* stream) {
     GD_HEADK_SWITCH(p.K, KC, [&] {
       auto go = [&](auto mode_c, auto tw_c) {
         constexpr int M = decltype(mode_c)::value, TW = decltype(tw_c)::value;
-        using F = RevCfg<St, KC, TW>;
+        using F = RevCfg<St, KC, TW, M>;
         auto kern = state_rev_kernel<St, KC, M, TW>;
         GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
         const int tiles = (M == 1) ? (p.V + KC) / TW : p.V / TW;
