@@ -104,6 +104,7 @@ class DeltaRuleFunction : public torch::autograd::Function<DeltaRuleFunction> {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [o, ht] = call_fwd(args);
     save_args(ctx, args);
+    ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined (no zeros allocated)
     if (!args.output_final_state) ctx->mark_non_differentiable({ht});
     return {o, ht};
   }

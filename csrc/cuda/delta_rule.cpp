@@ -275,59 +275,104 @@ std::vector<int64_t> state_dims(const Call& c, bool v_first) {
   return v_first ? std::vector<int64_t>{N, HV, V, K} : std::vector<int64_t>{N, HV, K, V};
 }
 
-// The preparation's outputs W, U, A, gam (and Tm, for the backward), allocated and computed.
-struct Prepared {
-  at::Tensor W, U, A, gam, Tm;
+// ---- one workspace per call ----
+// A call's intermediates live in one allocation (one trip to the caching allocator instead of one per buffer):
+// regions are reserved first (256-byte aligned), the buffer is allocated once, and the kernels get pointers into it.
+// Two buffers whose lifetimes do not overlap share a region (Workspace::Union), so the footprint is what the
+// separate buffers had at their peak.
+class Workspace {
+ public:
+  static constexpr int64_t kNone = -1;
+  int64_t take(int64_t bytes) {
+    const int64_t off = size_;
+    size_ += (bytes + 255) / 256 * 256;
+    return off;
+  }
+  // Regions laid out in alternatives over the same bytes: each alternative starts where the union starts.
+  struct Union {
+    Workspace& ws;
+    int64_t start, end;
+    explicit Union(Workspace& w) : ws(w), start(w.size_), end(w.size_) {}
+    void next() {  // begin the next alternative
+      end = std::max(end, ws.size_);
+      ws.size_ = start;
+    }
+    ~Union() { ws.size_ = std::max(end, ws.size_); }
+  };
+  void allocate(const at::TensorOptions& like) { buf_ = at::empty({std::max<int64_t>(size_, 1)}, like.dtype(at::kByte)); }
+  template <class T = void> T* ptr(int64_t off) const {
+    return off == kNone ? nullptr : reinterpret_cast<T*>(static_cast<unsigned char*>(buf_.data_ptr()) + off);
+  }
+
+ private:
+  int64_t size_ = 0;
+  at::Tensor buf_;
 };
 
-// Scratch of the segments with a warm-up: the per-chunk log norm bounds (written by the preparation) and the
-// per-segment proof flags; undefined otherwise.
-struct WarmScratch {
-  at::Tensor lnorm, seg_ok;
+// Where each intermediate of a call lives in its workspace (Workspace::kNone: not used by this call).
+struct Regions {
+  int64_t W, U, A, gam, Tm, lnorm, seg_ok, segmap, segstate, hT, VnT, dhT, dVnT, dgam1, dk1;
 };
 
-WarmScratch warm_scratch(Call& c) {
-  WarmScratch s;
-  if (!c.L.warm) return s;
-  s.lnorm = at::empty({c.L.NC, c.p.HV}, c.fopts);
-  s.seg_ok = at::empty({c.L.num_units, c.p.HV}, c.opts.dtype(at::kInt));
-  c.p.lnorm = s.lnorm.data_ptr<float>();
-  c.p.seg_ok = s.seg_ok.data_ptr<int>();
-  return s;
-}
-
-Prepared run_prep(Call& c, bool with_tm) {
-  const int64_t NC = c.L.NC, HV = c.p.HV;
-  Prepared r;
-  r.W = at::empty({NC, HV, kC, c.p.K}, c.opts);
-  r.U = at::empty({NC, HV, kC, c.p.V}, c.opts);
-  r.A = at::empty({NC, HV, kC, kC}, c.opts);
-  r.gam = at::empty({NC, HV, kC}, c.fopts);
-  if (with_tm) r.Tm = at::empty({NC, HV, kC, kC}, c.opts);
-  c.p.W = r.W.data_ptr();
-  c.p.U = r.U.data_ptr();
-  c.p.A = r.A.data_ptr();
-  c.p.gam = r.gam.data_ptr<float>();
-  c.p.Tm = with_tm ? r.Tm.data_ptr() : nullptr;
-  cuda::launch_prep(c.p, c.dt, c.stream);
+// The layout of the workspace. Forward: the preparation's W, U, A, gam; the warm-up's per-chunk norm bounds and
+// per-segment proofs; the scan's maps and unit states. The backward adds Tm, the states and gradients stored per
+// chunk, and the chunk-parallel kernels' partial sums; U (read by the first state pass only) shares its region
+// with dVn^T (same size, written by the reverse pass), and the scan's scratch (state passes) with dgam1 and dk1
+// (chunk-parallel kernels). dk1 has a region of its own only when dk itself is not fp32 (grad_f32).
+Regions plan_workspace(Workspace& ws, const Call& c, bool backward, bool dk1_own) {
+  const int64_t NC = c.L.NC, HV = c.p.HV, K = c.p.K, V = c.p.V, units = c.L.num_units;
+  const int64_t es = c.in.q.element_size(), fs = sizeof(float);
+  const int64_t none = Workspace::kNone;
+  Regions r{none, none, none, none, none, none, none, none, none, none, none, none, none, none, none};
+  r.W = ws.take(NC * HV * kC * K * es);
+  r.A = ws.take(NC * HV * kC * kC * es);
+  r.gam = ws.take(NC * HV * kC * fs);
+  if (c.L.warm) {
+    r.lnorm = ws.take(NC * HV * fs);
+    r.seg_ok = ws.take(units * HV * static_cast<int64_t>(sizeof(int)));
+  }
+  if (backward) {
+    r.Tm = ws.take(NC * HV * kC * kC * es);
+    r.hT = ws.take(NC * HV * V * K * es);
+    r.VnT = ws.take(NC * HV * V * kC * es);
+    r.dhT = ws.take(NC * HV * V * K * es);
+  }
+  {
+    Workspace::Union u(ws);
+    r.U = ws.take(NC * HV * kC * V * es);
+    if (backward) {
+      u.next();
+      r.dVnT = ws.take(NC * HV * V * kC * es);
+    }
+  }
+  {
+    Workspace::Union u(ws);
+    if (c.L.scan) {
+      r.segmap = ws.take(units * HV * (V + K) * K * fs);
+      r.segstate = ws.take(units * HV * K * V * fs);
+    }
+    if (backward) {
+      u.next();
+      r.dgam1 = ws.take((K / 64) * NC * HV * kC * fs);
+      if (dk1_own) r.dk1 = ws.take(c.in.k.numel() * fs);
+    }
+  }
   return r;
 }
 
-// Scratch of the scan: per-unit maps and the states (or state gradients) at unit boundaries; undefined for the
-// chunk algorithm.
-struct ScanScratch {
-  at::Tensor segmap, segstate;
-};
-
-ScanScratch scan_scratch(Call& c) {
-  ScanScratch s;
-  if (!c.L.scan) return s;
-  const int64_t units = c.L.num_units, HV = c.p.HV, K = c.p.K, V = c.p.V;
-  s.segmap = at::empty({units, HV, V + K, K}, c.fopts);
-  s.segstate = at::empty({units, HV, K, V}, c.fopts);
-  c.p.segmap = s.segmap.data_ptr<float>();
-  c.p.segstate = s.segstate.data_ptr<float>();
-  return s;
+// Points the kernels' parameters at the workspace's regions.
+void bind(Params& p, const Workspace& ws, const Regions& r) {
+  p.W = ws.ptr(r.W);
+  p.U = ws.ptr(r.U);
+  p.A = ws.ptr(r.A);
+  p.gam = ws.ptr<float>(r.gam);
+  p.Tm = ws.ptr(r.Tm);
+  p.lnorm = ws.ptr<float>(r.lnorm);
+  p.seg_ok = ws.ptr<int>(r.seg_ok);
+  p.segmap = ws.ptr<float>(r.segmap);
+  p.segstate = ws.ptr<float>(r.segstate);
+  p.hT = ws.ptr(r.hT);
+  p.VnT = ws.ptr(r.VnT);
 }
 
 // One sequential pass over the chunks, forward (state_fwd, mode 0: output, 1: states for the backward) or reverse
@@ -417,19 +462,21 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
   }
   c10::cuda::CUDAGuard guard(a.q.device());
   Call c = begin_call(a);
-  const WarmScratch warm = warm_scratch(c);
-  const Prepared prep = run_prep(c, /*with_tm=*/false);
+  Workspace ws;
+  const Regions r = plan_workspace(ws, c, /*backward=*/false, /*dk1_own=*/false);
+  ws.allocate(c.opts);
+  bind(c.p, ws, r);
   at::Tensor o = at::empty(c.in.v.sizes(), c.in.v.options());
   at::Tensor ht;
   if (output_final_state) ht = at::empty(state_dims(c, a.state_v_first), c.fopts);
   c.p.o = o.data_ptr();
-  const ScanScratch scratch = scan_scratch(c);
+  cuda::launch_prep(c.p, c.dt, c.stream);
   run_state_pass(c, /*reverse=*/false, /*mode=*/0, c.in.h0.defined() ? c.in.h0.data_ptr<float>() : nullptr,
                  ht.defined() ? ht.data_ptr<float>() : nullptr);
-  CoreForward r;
-  r.o = o;
-  r.final_state = ht;
-  return r;
+  CoreForward out;
+  out.o = o;
+  out.final_state = ht;
+  return out;
 }
 
 CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state) {
@@ -451,54 +498,45 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   c10::cuda::CUDAGuard guard(a.q.device());
   Call c = begin_call(a);
   Params& p = c.p;
-  const int64_t NC = c.L.NC, HV = p.HV, K = p.K, V = p.V;
   at::Tensor dO = dense(d_o.to(a.v.scalar_type()));
   at::Tensor dht;
   if (d_final_state.defined()) dht = dense(d_final_state.to(at::kFloat));
   p.d_o = dO.data_ptr();
-  const WarmScratch warm = warm_scratch(c);
-  Prepared prep = run_prep(c, /*with_tm=*/true);
-  ScanScratch scratch = scan_scratch(c);
+  // dq, dk, dv in the input dtype when the op layer allows it; dk's partial sums stay fp32 in dk1
+  p.grad_f32 = (a.grads_in_input_dtype && a.q.scalar_type() != at::kFloat) ? 0 : 1;
+  Workspace ws;
+  const Regions r = plan_workspace(ws, c, /*backward=*/true, /*dk1_own=*/!p.grad_f32);
+  ws.allocate(c.opts);
+  bind(p, ws, r);
+  cuda::launch_prep(p, c.dt, c.stream);  // (also writes Tm)
 
   // states entering each chunk, and Vn
-  at::Tensor hT = at::empty({NC, HV, V, K}, c.opts);
-  at::Tensor VnT = at::empty({NC, HV, V, kC}, c.opts);
-  p.hT = hT.data_ptr();
-  p.VnT = VnT.data_ptr();
   run_state_pass(c, /*reverse=*/false, /*mode=*/1, c.in.h0.defined() ? c.in.h0.data_ptr<float>() : nullptr,
                  nullptr);
-  prep.U.reset();
-  p.U = nullptr;
+  p.U = nullptr;  // (its region now holds dVn^T)
 
   // gradients of the states leaving each chunk, and dVn
-  at::Tensor dhT = at::empty({NC, HV, V, K}, c.opts);
-  at::Tensor dVnT = at::empty({NC, HV, V, kC}, c.opts);
-  p.dhT = dhT.data_ptr();
-  p.dVnT = dVnT.data_ptr();
+  p.dhT = ws.ptr(r.dhT);
+  p.dVnT = ws.ptr(r.dVnT);
   at::Tensor dh0;
   if (a.initial_state.defined()) dh0 = at::empty(state_dims(c, a.state_v_first), c.fopts);
   run_state_pass(c, /*reverse=*/true, /*mode=*/0, dht.defined() ? dht.data_ptr<float>() : nullptr,
                  dh0.defined() ? dh0.data_ptr<float>() : nullptr);
-  scratch.segmap.reset();
-  scratch.segstate.reset();
+  p.segmap = p.segstate = nullptr;  // (their region now holds dgam1, dk1)
 
-  // chunk-parallel gradients; W's memory holds dW (same shape and type; W is no longer read)
-  p.dW = prep.W.data_ptr();
+  // chunk-parallel gradients; W's region holds dW (same shape and type; W is no longer read)
+  p.dW = p.W;
   p.W = nullptr;
-  at::Tensor dgam1 = at::empty({K / 64, NC, HV, kC}, c.fopts);
-  p.dgam1 = dgam1.data_ptr<float>();
+  p.dgam1 = ws.ptr<float>(r.dgam1);
   CoreGrads gr;
-  // dq, dk, dv in the input dtype when the op layer allows it; dk's partial sums stay fp32 in dk1
-  p.grad_f32 = (a.grads_in_input_dtype && a.q.scalar_type() != at::kFloat) ? 0 : 1;
   const auto gopts = p.grad_f32 ? c.fopts : c.opts;
   gr.dq = at::empty(c.in.q.sizes(), gopts);
   gr.dk = at::empty(c.in.k.sizes(), gopts);
   gr.dv = at::empty(c.in.v.sizes(), gopts);
   gr.dg = at::empty(c.in.g.sizes(), c.fopts);
   gr.dbeta = at::empty(c.in.beta.sizes(), c.fopts);
-  at::Tensor dk1 = p.grad_f32 ? gr.dk : at::empty(c.in.k.sizes(), c.fopts);
   p.dq = gr.dq.data_ptr();
-  p.dk1 = dk1.data_ptr<float>();
+  p.dk1 = p.grad_f32 ? gr.dk.data_ptr<float>() : ws.ptr<float>(r.dk1);
   p.dk = gr.dk.data_ptr();
   p.dv = gr.dv.data_ptr();
   p.dg = gr.dg.data_ptr<float>();
