@@ -176,12 +176,8 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
     // at a time
     const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V;
     const int64_t vstride = static_cast<int64_t>(p.HV) * p.V;
-    if (whole_v) {
-      if (p.V == 128) load_tile<St, C, 128, 128>(Vs, LDV, vg, vstride, ci.len, tid);
-      else load_tile<St, C, C, 128>(Vs, LDV, vg, vstride, ci.len, tid);
-    } else {
-      load_tile<St, C, C, 128>(Vs, LDV, vg, vstride, ci.len, tid);
-    }
+    if (whole_v && p.V == 128) load_tile<St, C, 128, 128>(Vs, LDV, vg, vstride, ci.len, tid);
+    else load_tile<St, C, C, 128>(Vs, LDV, vg, vstride, ci.len, tid);  // (V = 64, or the first of several blocks)
     cp_async_commit();
 
     // W = (Tm diag(beta e^gam)) K, in 64-column blocks
