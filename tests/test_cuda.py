@@ -34,6 +34,10 @@ CASES = {
     # H200 (132 SMs) all of a group here (18 chunks x 16 q/k heads), half a group in the next case (14 x 10)
     "prep_whole_group": (2, 530, 16, 32, 128, 128, True, None, False),
     "prep_half_group": (2, 400, 10, 40, 64, 64, False, None, True),
+    # 64-column tiles take the warpgroup (wgmma) products for 16-bit inputs: K = 64 with V = 128 (256 CTAs), and a
+    # varlen batch of lengths 1, 63, 1, 235, 700 (5 sequences x 8 value heads x 2 tiles = 80 CTAs)
+    "wg_K64_V128": (2, 65, 4, 32, 64, 128, True, None, False),
+    "wg_varlen": (1, 1000, 2, 8, 128, 128, True, [0, 1, 64, 65, 300, 1000], False),
 }
 
 _REF_CACHE = {}

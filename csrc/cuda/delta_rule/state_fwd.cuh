@@ -10,7 +10,9 @@
 // Warps: one per 16 columns of the tile; K = 256 (and K = 128 in the forward's 32-column tiles) splits K over two
 // warps, whose partial products over K are summed through shared memory in a fixed order (in mode 0 each warp of
 // the pair then finishes O^T for half of the chunk's tokens). The next chunk's tiles are prefetched with cp.async
-// (2 stages where they fit). With Params::warm the CTA runs one segment of a sequence after a proven warm-up
+// (2 stages where they fit). For 16-bit inputs with K <= 128 and 64-column tiles (FwdCfg::WG) the four warps are one
+// warpgroup and the products are wgmma (wgmma.cuh), their B tiles loaded in the sw128 layout; otherwise mma.sync
+// (mma.cuh). With Params::warm the CTA runs one segment of a sequence after a proven warm-up
 // (warmup.cuh): the warm-up chunks store nothing.
 // Mirrored kernel staging: the shared-memory stages, the cp.async prefetch of the next chunk and the walk over a
 // unit's chunks are written out here and again in state_rev.cuh (which walks the chunks backwards), and the

@@ -7,7 +7,8 @@
 // columns from 0 give b, tiles of the next K columns from the identity with dO = 0 give the linear part).
 // With Params::warm the CTA runs one segment of a sequence after a proven warm-up (warmup.cuh): the warm-up
 // chunks, after the segment's end, store nothing.
-// Mirrored kernel staging: the stages, prefetch and chunk walk mirror state_fwd.cuh's (see there).
+// Mode 0 with 16-bit inputs, K <= 128 and 64-column tiles (RevCfg::WG) runs its products as wgmma (wgmma.cuh), as the
+// forward pass does. Mirrored kernel staging: the stages, prefetch and chunk walk mirror state_fwd.cuh's (see there).
 #pragma once
 
 #include "../dispatch.cuh"
