@@ -311,7 +311,9 @@ class Workspace {
 
 // Where each intermediate of a call lives in its workspace (Workspace::kNone: not used by this call).
 struct Regions {
-  int64_t W, U, A, gam, Tm, lnorm, seg_ok, segmap, segstate, hT, VnT, dhT, dVnT, dgam1, dk1;
+  static constexpr int64_t n = Workspace::kNone;
+  int64_t W = n, U = n, A = n, gam = n, Tm = n, lnorm = n, seg_ok = n, segmap = n, segstate = n, hT = n, VnT = n,
+          dhT = n, dVnT = n, dgam1 = n, dk1 = n;
 };
 
 // The layout of the workspace. Forward: the preparation's W, U, A, gam; the warm-up's per-chunk norm bounds and
@@ -322,8 +324,7 @@ struct Regions {
 Regions plan_workspace(Workspace& ws, const Call& c, bool backward, bool dk1_own) {
   const int64_t NC = c.L.NC, HV = c.p.HV, K = c.p.K, V = c.p.V, units = c.L.num_units;
   const int64_t es = c.in.q.element_size(), fs = sizeof(float);
-  const int64_t none = Workspace::kNone;
-  Regions r{none, none, none, none, none, none, none, none, none, none, none, none, none, none, none};
+  Regions r;
   r.W = ws.take(NC * HV * kC * K * es);
   r.A = ws.take(NC * HV * kC * kC * es);
   r.gam = ws.take(NC * HV * kC * fs);
