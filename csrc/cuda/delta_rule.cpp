@@ -312,11 +312,12 @@ class Workspace {
 // Where each intermediate of a call lives in its workspace (Workspace::kNone: not used by this call).
 struct Regions {
   static constexpr int64_t n = Workspace::kNone;
-  int64_t W = n, U = n, A = n, gam = n, Tm = n, lnorm = n, seg_ok = n, segmap = n, segstate = n, hT = n, VnT = n,
+  int64_t W = n, U = n, A = n, gam = n, Tm = n, TmB = n, lnorm = n, seg_ok = n, segmap = n, segstate = n, hT = n, VnT = n,
           dhT = n, dVnT = n, dgam1 = n, dk1 = n;
 };
 
-// The layout of the workspace. Forward: the preparation's W, U, A, gam; the warm-up's per-chunk norm bounds and
+// The layout of the workspace. Forward: the preparation's A, gam, and W, U or Tm diag(beta) (where the forward pass
+// forms W and U itself, fwd_forms_wu; the scan's maps still read W and U); the warm-up's per-chunk norm bounds and
 // per-segment proofs; the scan's maps and unit states. The backward adds Tm, the states and gradients stored per
 // chunk, and the chunk-parallel kernels' partial sums; U (read by the first state pass only) shares its region
 // with dVn^T (same size, written by the reverse pass), and the scan's scratch (state passes) with dgam1 and dk1
@@ -325,7 +326,10 @@ Regions plan_workspace(Workspace& ws, const Call& c, bool backward, bool dk1_own
   const int64_t NC = c.L.NC, HV = c.p.HV, K = c.p.K, V = c.p.V, units = c.L.num_units;
   const int64_t es = c.in.q.element_size(), fs = sizeof(float);
   Regions r;
-  r.W = ws.take(NC * HV * kC * K * es);
+  const bool form_wu = !backward && cuda::fwd_forms_wu(c.dt, c.p.K, c.p.tile32);
+  const bool wu = !form_wu || c.L.scan;
+  if (wu) r.W = ws.take(NC * HV * kC * K * es);
+  if (form_wu) r.TmB = ws.take(NC * HV * kC * kC * es);
   r.A = ws.take(NC * HV * kC * kC * es);
   r.gam = ws.take(NC * HV * kC * fs);
   if (c.L.warm) {
@@ -340,7 +344,7 @@ Regions plan_workspace(Workspace& ws, const Call& c, bool backward, bool dk1_own
   }
   {
     Workspace::Union u(ws);
-    r.U = ws.take(NC * HV * kC * V * es);
+    if (wu) r.U = ws.take(NC * HV * kC * V * es);
     if (backward) {
       u.next();
       r.dVnT = ws.take(NC * HV * V * kC * es);
@@ -368,6 +372,7 @@ void bind(Params& p, const Workspace& ws, const Regions& r) {
   p.A = ws.ptr(r.A);
   p.gam = ws.ptr<float>(r.gam);
   p.Tm = ws.ptr(r.Tm);
+  p.TmB = ws.ptr(r.TmB);
   p.lnorm = ws.ptr<float>(r.lnorm);
   p.seg_ok = ws.ptr<int>(r.seg_ok);
   p.segmap = ws.ptr<float>(r.segmap);

@@ -5,6 +5,7 @@
 // Layouts (all contiguous, C = 64 tokens per chunk, NC chunks in total, padded rows of a short chunk are zero):
 //   q, k   [BT, H, K]   v, o, d_o  [BT, HV, V]   g, beta, dg, dbeta  [BT, HV]  (BT = B * T flat tokens)
 //   W      [NC, HV, C, K]      U     [NC, HV, C, V]     A (masked Q K^T o E)  [NC, HV, C, C]
+//   Tm, TmB [NC, HV, C, C]     (I + M)^-1 and (I + M)^-1 diag(beta)
 //   gam    [NC, HV, C] fp32    in-chunk cumulative log decay (padded rows repeat the last valid one)
 //   hT     [NC, HV, V, K]      transposed state entering each chunk;   dhT: transposed gradient of the state
 //                              leaving each chunk
@@ -60,6 +61,8 @@ struct Params {
   void* U;
   void* A;
   void* Tm;               // [NC, HV, C, C] (I + M)^-1, written by the preparation when non-null (backward)
+  void* TmB;              // [NC, HV, C, C] Tm diag(beta), written by the preparation when non-null: the forward
+                          // pass with the output forms W and U from it (fwd_forms_wu)
   float* gam;
   void* hT;
   void* VnT;
@@ -95,6 +98,13 @@ struct Params {
   float* dg;
   float* dbeta;
 };
+
+// Whether the forward pass with the output (state_fwd mode 0) forms the chunk's W and U itself, from Tm diag(beta),
+// K and V (it then reads TmB and never W or U): its warpgroup configuration, 16-bit inputs with K <= 128 in 64-column
+// tiles (K = 128 takes 32-column tiles when tile32 is set).
+inline bool fwd_forms_wu(DType dtype, int K, int tile32) {
+  return dtype != DType::kFloat && (K == 64 || (K == 128 && !tile32));
+}
 
 // Launchers (one per kernel family), defined in the .cu files; the storage type St is selected by dtype.
 void launch_prep(const Params& p, DType dtype, void* stream);
