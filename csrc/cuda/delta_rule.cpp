@@ -312,24 +312,33 @@ class Workspace {
 // Where each intermediate of a call lives in its workspace (Workspace::kNone: not used by this call).
 struct Regions {
   static constexpr int64_t n = Workspace::kNone;
-  int64_t W = n, U = n, A = n, gam = n, Tm = n, TmB = n, lnorm = n, seg_ok = n, segmap = n, segstate = n, hT = n, VnT = n,
-          dhT = n, dVnT = n, dgam1 = n, dk1 = n;
+  int64_t W = n, U = n, A = n, gam = n, Tm = n, TmB = n, lnorm = n, seg_ok = n, segmap = n, segstate = n, hT = n,
+          VnT = n, dhT = n, dVnT = n, dW = n, dgam1 = n, dk1 = n;
 };
 
-// The layout of the workspace. Forward: the preparation's A, gam, and W, U or Tm diag(beta) (where the forward pass
-// forms W and U itself, fwd_forms_wu; the scan's maps still read W and U); the warm-up's per-chunk norm bounds and
+// The layout of the workspace. Forward: the preparation's A, gam, and W, U or Tm diag(beta) (where the state passes
+// form W and U themselves, forms_wu; the scan's maps still read W and U); the warm-up's per-chunk norm bounds and
 // per-segment proofs; the scan's maps and unit states. The backward adds Tm, the states and gradients stored per
-// chunk, and the chunk-parallel kernels' partial sums; U (read by the first state pass only) shares its region
-// with dVn^T (same size, written by the reverse pass), and the scan's scratch (state passes) with dgam1 and dk1
-// (chunk-parallel kernels). dk1 has a region of its own only when dk itself is not fp32 (grad_f32).
+// chunk, and the chunk-parallel kernels' partial sums. Regions with disjoint lifetimes share bytes: W or
+// Tm diag(beta) (state passes) with dW (chunk-parallel kernels), U (first state pass) with dVn^T (written by the
+// reverse pass), and the scan's scratch (state passes) with dgam1 and dk1 (chunk-parallel kernels). dk1 has a
+// region of its own only when dk itself is not fp32 (grad_f32).
 Regions plan_workspace(Workspace& ws, const Call& c, bool backward, bool dk1_own) {
   const int64_t NC = c.L.NC, HV = c.p.HV, K = c.p.K, V = c.p.V, units = c.L.num_units;
   const int64_t es = c.in.q.element_size(), fs = sizeof(float);
   Regions r;
-  const bool form_wu = !backward && cuda::fwd_forms_wu(c.dt, c.p.K, c.p.tile32);
-  const bool wu = !form_wu || c.L.scan;
-  if (wu) r.W = ws.take(NC * HV * kC * K * es);
-  if (form_wu) r.TmB = ws.take(NC * HV * kC * kC * es);
+  const bool form_wu = cuda::forms_wu(c.dt, c.p.K, c.p.tile32, backward);
+  const bool wu = !form_wu || c.L.scan;  // (the scan's maps read W and U, its second pass Tm diag(beta))
+  {
+    Workspace::Union u(ws);
+    if (wu) r.W = ws.take(NC * HV * kC * K * es);
+    if (form_wu && !wu) r.TmB = ws.take(NC * HV * kC * kC * es);
+    if (backward) {
+      u.next();
+      r.dW = ws.take(NC * HV * kC * K * es);
+    }
+  }
+  if (form_wu && wu) r.TmB = ws.take(NC * HV * kC * kC * es);
   r.A = ws.take(NC * HV * kC * kC * es);
   r.gam = ws.take(NC * HV * kC * fs);
   if (c.L.warm) {
@@ -529,10 +538,10 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   run_state_pass(c, /*reverse=*/true, /*mode=*/0, dht.defined() ? dht.data_ptr<float>() : nullptr,
                  dh0.defined() ? dh0.data_ptr<float>() : nullptr);
   p.segmap = p.segstate = nullptr;  // (their region now holds dgam1, dk1)
+  p.W = p.TmB = nullptr;             // (their region now holds dW)
 
-  // chunk-parallel gradients; W's region holds dW (same shape and type; W is no longer read)
-  p.dW = p.W;
-  p.W = nullptr;
+  // chunk-parallel gradients
+  p.dW = ws.ptr(r.dW);
   p.dgam1 = ws.ptr<float>(r.dgam1);
   CoreGrads gr;
   const auto gopts = p.grad_f32 ? c.fopts : c.opts;

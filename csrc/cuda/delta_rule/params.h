@@ -61,8 +61,8 @@ struct Params {
   void* U;
   void* A;
   void* Tm;               // [NC, HV, C, C] (I + M)^-1, written by the preparation when non-null (backward)
-  void* TmB;              // [NC, HV, C, C] Tm diag(beta), written by the preparation when non-null: the forward
-                          // pass with the output forms W and U from it (fwd_forms_wu)
+  void* TmB;              // [NC, HV, C, C] Tm diag(beta), written by the preparation when non-null: the state
+                          // passes that form W and U themselves read it (forms_wu)
   float* gam;
   void* hT;
   void* VnT;
@@ -99,11 +99,13 @@ struct Params {
   float* dbeta;
 };
 
-// Whether the forward pass with the output (state_fwd mode 0) forms the chunk's W and U itself, from Tm diag(beta),
-// K and V (it then reads TmB and never W or U): its warpgroup configuration, 16-bit inputs with K <= 128 in 64-column
-// tiles (K = 128 takes 32-column tiles when tile32 is set).
-inline bool fwd_forms_wu(DType dtype, int K, int tile32) {
-  return dtype != DType::kFloat && (K == 64 || (K == 128 && !tile32));
+// Whether the state passes form each chunk's W and U themselves, from Tm diag(beta), K and V (they then read TmB and
+// never W or U): their warpgroup configurations, 16-bit inputs with K <= 128 in 64-column tiles. The forward's pass
+// (state_fwd mode 0) takes 32-column tiles when tile32 is set for K = 128 only; the backward's (state_fwd mode 1,
+// state_rev mode 0) whenever it is set. The scan's map passes always read W and U.
+inline bool forms_wu(DType dtype, int K, int tile32, bool backward) {
+  if (dtype == DType::kFloat || K > 128) return false;
+  return !tile32 || (!backward && K == 64);
 }
 
 // Launchers (one per kernel family), defined in the .cu files; the storage type St is selected by dtype.

@@ -1,7 +1,7 @@
 // Chunk-parallel preparation, one CTA of 4 warps per (chunk, p.prep_heads value heads of one q/k head):
 //   gam = in-chunk cumsum of g;  M = strictly-lower(beta_i k_i.k_j e^{gam_i - gam_j});  Tm = (I + M)^-1
 //   W = Tm diag(beta e^gam) K,   U = Tm diag(beta) V,   A = lower(q_i.k_j e^{gam_i - gam_j})   (incl. diagonal)
-// Where the forward pass forms W and U itself (fwd_forms_wu: p.W is null), it writes Tm diag(beta) instead.
+// Where the state passes form W and U themselves (forms_wu: p.W and p.U are null), it writes Tm diag(beta) instead.
 // K K^T and Q K^T are the same for every value head of a group: a CTA computes them once, keeps them in registers
 // and walks its value heads. KK^T and QK^T, W and U run on tensor cores (fp32 accumulation); the inverse is fp32
 // (blockwise, 16 x 16 blocks). When p.lnorm is set it also writes, per chunk and value head, the log of a bound on the
@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
     }
     if (tid < C) p.gam[chv * C + tid] = gam[tid];
     __syncthreads();
-    if (p.W == nullptr) continue;  // the forward pass forms W and U from TmB (fwd_forms_wu)
+    if (p.W == nullptr) continue;  // the state passes form W and U from TmB (forms_wu)
     // the V tile goes where M and Tm were: all of it at once where it fits (16-bit, V <= 128), else 64 columns
     // at a time
     const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V;

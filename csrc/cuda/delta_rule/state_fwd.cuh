@@ -4,7 +4,7 @@
 //   Vn^T = U^T - S^T W^T                                     (corrected values of this tile)
 //   O^T  = scale (S^T Q^T diag(e^gam) + Vn^T A^T)            (mode 0: the output, fused)
 //   S^T <- e^{gam_L} S^T + (Vn^T diag(e^{gam_L - gam})) K
-// In mode 0 on warpgroup products (FwdCfg::FORM_WU) Vn^T is formed from V, K and Tm diag(beta) instead of U and W:
+// On warpgroup products (FwdCfg::WG, modes 0 and 1) Vn^T is formed from V, K and Tm diag(beta) instead of U and W:
 //   Vn^T = (V^T - (K S)^T diag(e^gam)) (Tm diag(beta))^T     (= U^T - S^T W^T, W = Tm diag(beta e^gam) K)
 // Mode 1 stores the state entering each chunk (hT) and Vn^T instead of O (for the backward). Mode 2 computes the
 // affine map of a unit of chunks (the scan): tiles of the first V columns start from 0 (giving B), tiles of the
@@ -42,21 +42,17 @@ struct FwdCfg {
   static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD, LDT = TW + PAD;
   static constexpr int NKT = 2 + ((WITH_Q && !Q_ALIAS) ? 1 : 0);  // K-wide tiles per stage: W, K, [Q]
   // warpgroup products (wgmma.cuh): 16-bit inputs, K <= 128, one warpgroup per 64-column tile, modes 0 and 1.
-  // A stage then holds W (and Q below it, rows 64..127: one B operand for S^T [W | Q]^T), K and A as sw128 tiles
-  // on 1024-byte boundaries, and U^T, gam as below.
-  // In mode 0 the pass forms W and U itself (FORM_WU, fwd_forms_wu in params.h): Vn = Tm diag(beta) (V - diag(e^gam)
-  // K S), from the preparation's Tm diag(beta) (TB tile), K and V, so that W and U never go through memory. The
-  // first tile is then [K | Q] (K is also the B operand of the state update) and the U^T slot holds V^T.
+  // These passes form W and U themselves (forms_wu in params.h), Vn = Tm diag(beta) (V - diag(e^gam) K S), from
+  // the preparation's Tm diag(beta), K and V, so that W and U never go through memory. A stage holds K (and Q below
+  // it, rows 64..127: one B operand for S^T [K | Q]^T; K is also the B operand of the state update), A and
+  // Tm diag(beta) as sw128 tiles on 1024-byte boundaries, and V^T (in U^T's place), gam as below.
   static constexpr bool WG = HasWgmma<St>::value && K <= 128 && TW == 64 && KSP == 1 && MODE != 2;
-  static constexpr bool FORM_WU = WG && MODE == 0;
-  static constexpr int NWQ = WITH_Q ? 2 : 1;                 // row blocks of 64 in the W (| Q) tile
-  static constexpr size_t WQ_BYTES = (size_t)K * NWQ * 128;  // K / 64 blocks of 64 NWQ rows of 128 bytes
-  static constexpr size_t KT_BYTES = FORM_WU ? 0 : (size_t)K * 128, AT_BYTES = (MODE == 0) ? 8192 : 0;
-  static constexpr size_t TB_BYTES = FORM_WU ? 8192 : 0;
-  static constexpr size_t KBLK = FORM_WU ? 2 * 64 * 128 : 64 * 128;  // K's 64-column block stride (sw128)
+  static constexpr int NKQ = WITH_Q ? 2 : 1;                 // row blocks of 64 in the K (| Q) tile
+  static constexpr size_t KQ_BYTES = (size_t)K * NKQ * 128;  // K / 64 blocks of 64 NKQ rows of 128 bytes
+  static constexpr size_t AT_BYTES = (MODE == 0) ? 8192 : 0, TB_BYTES = 8192;
   static constexpr size_t UT_BYTES = sizeof(St) * C * LDT;
   static constexpr size_t STAGE_BYTES =
-      WG ? (WQ_BYTES + KT_BYTES + AT_BYTES + TB_BYTES + UT_BYTES + 256 + 1023) / 1024 * 1024
+      WG ? (KQ_BYTES + AT_BYTES + TB_BYTES + UT_BYTES + 256 + 1023) / 1024 * 1024
          : sizeof(St) * (size_t)(NKT * C * LDK + C * LDT + C * LDC) + 256;
   static constexpr size_t RED_BYTES = (KS == 2) ? sizeof(float) * (2 * NVR * 1024 + NVR * 1024) : 0;
   static constexpr size_t OS_BYTES = (MODE == 0) ? sizeof(St) * C * LDT : 0;
@@ -87,13 +83,12 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
   auto stage_ptr = [&](int b, St*& Ws, St*& Ks, St*& Qs, St*& Us, St*& As, St*& Ts, float*& gs) {
     unsigned char* base = smem + b * F::STAGE_BYTES;
     if constexpr (F::WG) {
-      // (Q: rows 64.. of the first tile's blocks; with FORM_WU that tile is [K | Q] and holds no W)
-      Ws = Qs = reinterpret_cast<St*>(base);
-      Ks = reinterpret_cast<St*>(base + (F::FORM_WU ? 0 : F::WQ_BYTES));
-      As = reinterpret_cast<St*>(base + F::WQ_BYTES + F::KT_BYTES);
-      Ts = reinterpret_cast<St*>(base + F::WQ_BYTES + F::KT_BYTES + F::AT_BYTES);
-      Us = reinterpret_cast<St*>(base + F::WQ_BYTES + F::KT_BYTES + F::AT_BYTES + F::TB_BYTES);
-      gs = reinterpret_cast<float*>(base + F::WQ_BYTES + F::KT_BYTES + F::AT_BYTES + F::TB_BYTES + F::UT_BYTES);
+      Ws = nullptr;
+      Ks = Qs = reinterpret_cast<St*>(base);  // (Q: rows 64.. of the K tile's blocks)
+      As = reinterpret_cast<St*>(base + F::KQ_BYTES);
+      Ts = reinterpret_cast<St*>(base + F::KQ_BYTES + F::AT_BYTES);
+      Us = reinterpret_cast<St*>(base + F::KQ_BYTES + F::AT_BYTES + F::TB_BYTES);
+      gs = reinterpret_cast<float*>(base + F::KQ_BYTES + F::AT_BYTES + F::TB_BYTES + F::UT_BYTES);
       return;
     }
     Ts = nullptr;
@@ -111,22 +106,15 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
     const ChunkInfo ci = chunk_info(p, c, un.n);
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
     if constexpr (F::WG) {
-      constexpr int RT = 64 * F::NWQ;
-      auto* wb = reinterpret_cast<unsigned char*>(Ws);
-      const St* kg = static_cast<const St*>(p.k) + ci.bos * HK + h * K;
-      if constexpr (F::FORM_WU) {
-        load_tile_sw128<St, C, K, RT, NT>(wb, 0, kg, HK, ci.len, tid);
-        load_tile_sw128<St, C, C, C, NT>(reinterpret_cast<unsigned char*>(Ts), 0,
-                                         static_cast<const St*>(p.TmB) + chv * C * C, C, C, tid);
-        load_tile<St, C, TW, NT>(Us, LDT, static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V + vt * TW,
-                                 static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
-      } else {
-        load_tile_sw128<St, C, K, RT, NT>(wb, 0, static_cast<const St*>(p.W) + chv * C * K, K, C, tid);
-        load_tile_sw128<St, C, K, C, NT>(reinterpret_cast<unsigned char*>(Ks), 0, kg, HK, ci.len, tid);
-        load_tile<St, C, TW, NT>(Us, LDT, static_cast<const St*>(p.U) + chv * C * p.V + vt * TW, p.V, C, tid);
-      }
+      constexpr int RT = 64 * F::NKQ;
+      auto* kb = reinterpret_cast<unsigned char*>(Ks);
+      load_tile_sw128<St, C, K, RT, NT>(kb, 0, static_cast<const St*>(p.k) + ci.bos * HK + h * K, HK, ci.len, tid);
       if constexpr (F::WITH_Q)
-        load_tile_sw128<St, C, K, RT, NT>(wb, 64, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
+        load_tile_sw128<St, C, K, RT, NT>(kb, 64, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
+      load_tile_sw128<St, C, C, C, NT>(reinterpret_cast<unsigned char*>(Ts), 0,
+                                       static_cast<const St*>(p.TmB) + chv * C * C, C, C, tid);
+      load_tile<St, C, TW, NT>(Us, LDT, static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V + vt * TW,
+                               static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
       if constexpr (MODE == 0)
         load_tile_sw128<St, C, C, C, NT>(reinterpret_cast<unsigned char*>(As), 0,
                                          static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
@@ -173,15 +161,15 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
     float(&acc_vn)[8][4] = acc[0];
     float(&acc_o)[8][4] = acc[1];
     if constexpr (F::WG) {
-      // one warpgroup product over K: S^T [W | Q]^T (FORM_WU: S^T [K | Q]^T), 64 (mode 1: W only) or 128 columns
+      // one warpgroup product over K: S^T [K | Q]^T, 64 (mode 1: K only) or 128 columns
       FragA<St> sa[K / 16];
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk) sa[kk] = frag_a_from_c<St>(S[2 * kk], S[2 * kk + 1]);
-      auto& d = reinterpret_cast<float(&)[8 * F::NWQ][4]>(acc);
+      auto& d = reinterpret_cast<float(&)[8 * F::NKQ][4]>(acc);
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk)
-        wgmma_rs<St, 0>(d, sa[kk], sw128_desc(Ws + (kk >> 2) * 64 * F::NWQ * 64 + (kk & 3) * 16, 16), kk > 0);
+        wgmma_rs<St, 0>(d, sa[kk], sw128_desc(Ks + (kk >> 2) * 64 * F::NKQ * 64 + (kk & 3) * 16, 16), kk > 0);
       wg_commit();
       wg_wait<0>();
       wg_fence_acc(d);
@@ -262,7 +250,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
 
     // Vn^T = U^T - S^T W^T
     float vn[8][4];
-    if constexpr (F::FORM_WU) {
+    if constexpr (F::WG) {
       // X^T = V^T - (K S)^T diag(e^gam) (V^T by ldmatrix.trans, as U^T below), then Vn^T = X^T (Tm diag(beta))^T
       FragA<St> xa[4];
 #pragma unroll
@@ -390,7 +378,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
       for (int kk = 0; kk < 4; ++kk) ka[kk] = kfrag(kk);
       wg_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(S, ka[kk], sw128_desc(Ks + 16 * kk * 64, F::KBLK), 1);
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(S, ka[kk], sw128_desc(Ks + 16 * kk * 64, F::KQ_BYTES / (K / 64)), 1);
       wg_commit();
       float o2[8][4];
       if constexpr (MODE == 0) {  // (warm-up chunks too: no branch between the fence and the products)
@@ -439,9 +427,9 @@ void launch_state_fwd_t(const Params& p, int mode, void* stream) {
         constexpr int M = decltype(mode_c)::value, TW = decltype(tw_c)::value, KSP = decltype(ks_c)::value;
         using F = FwdCfg<St, KC, M, TW, KSP>;
         auto kern = state_fwd_kernel<St, KC, M, TW, KSP>;
-        if constexpr (M == 0)
-          TORCH_CHECK(F::FORM_WU == (p.TmB != nullptr), "gated_delta CUDA: the forward pass ",
-                      F::FORM_WU ? "forms W and U and needs" : "reads W and U and takes no", " Tm diag(beta)");
+        if constexpr (M != 2)
+          TORCH_CHECK(F::WG == (p.TmB != nullptr), "gated_delta CUDA: the forward state pass ",
+                      F::WG ? "forms W and U and needs" : "reads W and U and takes no", " Tm diag(beta)");
         GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
         const int tiles = (M == 2) ? (p.V + KC) / TW : p.V / TW;
         kern<<<dim3(p.num_units, tiles, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);

@@ -8,7 +8,8 @@
 // With Params::warm the CTA runs one segment of a sequence after a proven warm-up (warmup.cuh): the warm-up
 // chunks, after the segment's end, store nothing.
 // Mode 0 with 16-bit inputs, K <= 128 and 64-column tiles (RevCfg::WG) runs its products as wgmma (wgmma.cuh), as the
-// forward pass does. Mirrored kernel staging: the stages, prefetch and chunk walk mirror state_fwd.cuh's (see there).
+// forward pass does, and forms dVn^T W as ((dVn^T Tm diag(beta)) diag(e^gam)) K from the preparation's
+// Tm diag(beta) instead of reading W (forms_wu in params.h). Mirrored kernel staging: the stages, prefetch and chunk walk mirror state_fwd.cuh's (see there).
 #pragma once
 
 #include "../dispatch.cuh"
@@ -31,10 +32,10 @@ struct RevCfg {
   static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD, LDT = TW + PAD;
   static constexpr int NKT = Q_ALIAS ? 2 : 3;  // W, K, [Q]
   // warpgroup products (wgmma.cuh): 16-bit inputs, K <= 128, one warpgroup per 64-column tile, mode 0. A stage
-  // then holds W, K, Q and A as sw128 tiles on 1024-byte boundaries, and dO, gam as below.
+  // then holds K, Q, A and Tm diag(beta) as sw128 tiles on 1024-byte boundaries, and dO, gam as below.
   static constexpr bool WG = HasWgmma<St>::value && K <= 128 && TW == 64 && MODE == 0;
   static constexpr size_t KT_BYTES = (size_t)K * 128, AT_BYTES = 8192, DT_BYTES = sizeof(St) * C * LDT;
-  static constexpr size_t STAGE_BYTES = WG ? (3 * KT_BYTES + AT_BYTES + DT_BYTES + 256 + 1023) / 1024 * 1024
+  static constexpr size_t STAGE_BYTES = WG ? (2 * KT_BYTES + 2 * AT_BYTES + DT_BYTES + 256 + 1023) / 1024 * 1024
                                            : sizeof(St) * (size_t)(NKT * C * LDK + C * LDC + C * LDT) + 256;
   static constexpr size_t RED_BYTES = (KS == 2) ? sizeof(float) * (2 * NVR * 1024) : 0;
   static constexpr size_t ALIGN = WG ? 1024 : 0;  // room to move the stages onto a 1024-byte boundary
@@ -58,17 +59,19 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE>::NT, 1) state_rev_kern
   const bool homog = (MODE == 1) && (vt * TW >= p.V);
   const int64_t HK = static_cast<int64_t>(p.H) * K;
 
-  auto stage_ptr = [&](int b, St*& Ws, St*& Ks, St*& Qs, St*& As, St*& Ds, float*& gs) {
+  auto stage_ptr = [&](int b, St*& Ws, St*& Ks, St*& Qs, St*& As, St*& Ts, St*& Ds, float*& gs) {
     unsigned char* base = smem + b * F::STAGE_BYTES;
     if constexpr (F::WG) {
-      Ws = reinterpret_cast<St*>(base);
-      Ks = reinterpret_cast<St*>(base + F::KT_BYTES);
-      Qs = reinterpret_cast<St*>(base + 2 * F::KT_BYTES);
-      As = reinterpret_cast<St*>(base + 3 * F::KT_BYTES);
-      Ds = reinterpret_cast<St*>(base + 3 * F::KT_BYTES + F::AT_BYTES);
-      gs = reinterpret_cast<float*>(base + 3 * F::KT_BYTES + F::AT_BYTES + F::DT_BYTES);
+      Ws = nullptr;
+      Ks = reinterpret_cast<St*>(base);
+      Qs = reinterpret_cast<St*>(base + F::KT_BYTES);
+      As = reinterpret_cast<St*>(base + 2 * F::KT_BYTES);
+      Ts = reinterpret_cast<St*>(base + 2 * F::KT_BYTES + F::AT_BYTES);
+      Ds = reinterpret_cast<St*>(base + 2 * F::KT_BYTES + 2 * F::AT_BYTES);
+      gs = reinterpret_cast<float*>(base + 2 * F::KT_BYTES + 2 * F::AT_BYTES + F::DT_BYTES);
       return;
     }
+    Ts = nullptr;
     Ws = reinterpret_cast<St*>(base);
     Ks = Ws + C * LDK;
     Qs = F::Q_ALIAS ? Ws : Ks + C * LDK;
@@ -77,17 +80,17 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE>::NT, 1) state_rev_kern
     gs = reinterpret_cast<float*>(Ds + C * LDT);
   };
   auto issue = [&](int c, int b) {
-    St *Ws, *Ks, *Qs, *As, *Ds;
+    St *Ws, *Ks, *Qs, *As, *Ts, *Ds;
     float* gs;
-    stage_ptr(b, Ws, Ks, Qs, As, Ds, gs);
+    stage_ptr(b, Ws, Ks, Qs, As, Ts, Ds, gs);
     const ChunkInfo ci = chunk_info(p, c, un.n);
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
     if constexpr (F::WG) {
       auto sw = [](St* t) { return reinterpret_cast<unsigned char*>(t); };
-      load_tile_sw128<St, C, K, C, NT>(sw(Ws), 0, static_cast<const St*>(p.W) + chv * C * K, K, C, tid);
       load_tile_sw128<St, C, K, C, NT>(sw(Ks), 0, static_cast<const St*>(p.k) + ci.bos * HK + h * K, HK, ci.len, tid);
       load_tile_sw128<St, C, K, C, NT>(sw(Qs), 0, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
       load_tile_sw128<St, C, C, C, NT>(sw(As), 0, static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
+      load_tile_sw128<St, C, C, C, NT>(sw(Ts), 0, static_cast<const St*>(p.TmB) + chv * C * C, C, C, tid);
       load_tile<St, C, TW, NT>(Ds, LDT, static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * p.V + vt * TW,
                                static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
       if (tid < 16) cp_async16(gs + 4 * tid, p.gam + chv * C + 4 * tid, true);
@@ -125,9 +128,9 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE>::NT, 1) state_rev_kern
     }
     if constexpr (F::WG) fence_async_smem();  // the tiles are read by wgmma next
     __syncthreads();
-    St *Ws, *Ks, *Qs, *As, *Ds;
+    St *Ws, *Ks, *Qs, *As, *Ts, *Ds;
     float* gs;
-    stage_ptr(buf, Ws, Ks, Qs, As, Ds, gs);
+    stage_ptr(buf, Ws, Ks, Qs, As, Ts, Ds, gs);
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
 
     const int64_t row0 = chv * p.V + vt * TW + vr * 16;  // this warp's first row of dhT / dVn^T
@@ -213,18 +216,34 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE>::NT, 1) state_rev_kern
     for (int nt = 0; nt < KW / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dS[nt][e] *= dl;
-    if constexpr (F::WG) {  // one group: W and Q N-major
-      FragA<St> wa[4], qa[4];
+    if constexpr (F::WG) {
+      // dVn^T W = (Y diag(e^gam)) K with Y = dVn^T Tm diag(beta): Y's group first, then the Q part of dS (in flight
+      // while Y is scaled), then the W part; Tm diag(beta), Q and K N-major
+      FragA<St> ya[4], qa[4];
+      float y[8][4];
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        wa[kk] = frag_a_from_c<St>(dvn[2 * kk], dvn[2 * kk + 1], -1.f);
+        ya[kk] = frag_a_from_c<St>(dvn[2 * kk], dvn[2 * kk + 1]);
         qa[kk] = lda_t_scaled<St>(Ds, LDT, vr * 16, 16 * kk, gs, p.scale);
       }
       wg_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(dS, wa[kk], sw128_desc(Ws + 16 * kk * 64, 64 * 128), 1);
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(y, ya[kk], sw128_desc(Ts + 16 * kk * 64, 8192), kk > 0);
+      wg_commit();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(dS, qa[kk], sw128_desc(Qs + 16 * kk * 64, 64 * 128), 1);
+      wg_commit();
+      wg_wait<1>();
+      wg_fence_acc(y);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const int j0 = 16 * kk + 2 * q;
+        const float fk[4] = {-__expf(gs[j0]), -__expf(gs[j0 + 1]), -__expf(gs[j0 + 8]), -__expf(gs[j0 + 9])};
+        ya[kk] = frag_a_from_c_cols<St>(y[2 * kk], y[2 * kk + 1], fk);
+      }
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(dS, ya[kk], sw128_desc(Ks + 16 * kk * 64, 64 * 128), 1);
       wg_commit();
       wg_wait<0>();
       wg_fence_acc(dS);
@@ -276,6 +295,9 @@ void launch_state_rev_t(const Params& p, int mode, void* stream) {
         constexpr int M = decltype(mode_c)::value, TW = decltype(tw_c)::value;
         using F = RevCfg<St, KC, TW, M>;
         auto kern = state_rev_kernel<St, KC, M, TW>;
+        if constexpr (M == 0)
+          TORCH_CHECK(F::WG == (p.TmB != nullptr), "gated_delta CUDA: the reverse state pass ",
+                      F::WG ? "forms W and needs" : "reads W and takes no", " Tm diag(beta)");
         GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
         const int tiles = (M == 1) ? (p.V + KC) / TW : p.V / TW;
         kern<<<dim3(p.num_units, tiles, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
