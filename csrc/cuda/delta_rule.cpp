@@ -70,19 +70,20 @@ struct Layout {
   const int* unit_off = nullptr;
 };
 
-Layout make_layout(const CoreArgs& a) {
+// ctas_per_sm: CTAs of the state kernels that share an SM
+Layout make_layout(const CoreArgs& a, int ctas_per_sm) {
   Layout L;
   const int64_t T = a.seqlen();
   const int64_t units_per_head = a.head_v() / 64;
-  const int sms = num_sms(a.q);
+  const int sms = num_sms(a.q), slots = sms * ctas_per_sm;
   const int64_t lanes = a.num_v_heads() * units_per_head;  // CTAs of the state kernels per work unit
-  // Auto: when one CTA per (sequence, value head, 64 columns) would keep fewer than half of the SMs busy, cut the
+  // Auto: when one CTA per (sequence, value head, 64 columns) would fill fewer than half of the SMs' slots, cut the
   // sequences into segments run at once after a proven warm-up (warmup.cuh); the scan only when asked for;
   // chunk (and recurrent, which runs the chunk kernels on CUDA) walk each sequence whole
   constexpr int kMinSegment = 8;  // chunks: a warm-up takes about 6 at typical gates
   auto want_scan = [&](int64_t, int64_t) { return a.algorithm == Algorithm::Scan; };
   auto want_warm = [&](int64_t n_seqs, int64_t max_chunks) {
-    return a.algorithm == Algorithm::Auto && n_seqs * lanes * 2 <= sms && max_chunks >= 2 * kMinSegment;
+    return a.algorithm == Algorithm::Auto && n_seqs * lanes * 2 <= slots && max_chunks >= 2 * kMinSegment;
   };
   // the longest warm-up: as long as the segment (so a segment costs at most twice its chunks), and at least 16
   // chunks (1024 tokens); past it the exact fallback runs
@@ -105,7 +106,7 @@ Layout make_layout(const CoreArgs& a) {
       L.segs_per_seq = (L.CPS + L.seg - 1) / L.seg;
     } else if (L.warm) {
       // one wave: segments per sequence so that all CTAs fit on the SMs at once
-      const int64_t segs = std::max<int64_t>(1, sms / (L.N * lanes));
+      const int64_t segs = std::max<int64_t>(1, slots / (L.N * lanes));
       L.seg = static_cast<int>(std::max<int64_t>(kMinSegment, (L.CPS + segs - 1) / segs));
       L.seg = std::min(L.seg, L.CPS);
       L.segs_per_seq = (L.CPS + L.seg - 1) / L.seg;
@@ -138,7 +139,7 @@ Layout make_layout(const CoreArgs& a) {
   L.scan = want_scan(L.N, mx);
   L.warm = !L.scan && want_warm(L.N, mx);
   if (L.scan) L.seg = scan_seg(L.N, total);
-  else if (L.warm) L.seg = static_cast<int>(std::max<int64_t>(kMinSegment, (total * lanes + sms - 1) / sms));
+  else if (L.warm) L.seg = static_cast<int>(std::max<int64_t>(kMinSegment, (total * lanes + slots - 1) / slots));
   else L.seg = static_cast<int>(std::max<int64_t>(1, mx));
   if (L.warm) L.warm_max = warm_cap(L.seg);
   std::vector<int> tok, len, units, uoff;
@@ -251,14 +252,15 @@ struct Call {
   void* stream;
 };
 
-Call begin_call(const CoreArgs& a) {
+Call begin_call(const CoreArgs& a, bool backward) {
   check_cuda_limits(a);
   Call c;
   c.stream = at::cuda::getCurrentCUDAStream().stream();
   c.in = dense_inputs(a);
-  c.L = make_layout(a);
-  c.p = base_params(a, c.L);
   c.dt = cuda::dtype_of(a.q.scalar_type(), "q");
+  const bool fwd_wg = !backward && cuda::forms_wu(c.dt, static_cast<int>(a.head_k()), /*tile32=*/0, false);
+  c.L = make_layout(a, fwd_wg ? cuda::kFwdWgCtasPerSm : 1);
+  c.p = base_params(a, c.L);
   c.opts = c.in.q.options();
   c.fopts = c.opts.dtype(at::kFloat);
   c.p.q = c.in.q.data_ptr();
@@ -476,7 +478,7 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
     return r;
   }
   c10::cuda::CUDAGuard guard(a.q.device());
-  Call c = begin_call(a);
+  Call c = begin_call(a, /*backward=*/false);
   Workspace ws;
   const Regions r = plan_workspace(ws, c, /*backward=*/false, /*dk1_own=*/false);
   ws.allocate(c.opts);
@@ -511,7 +513,7 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
     return g;
   }
   c10::cuda::CUDAGuard guard(a.q.device());
-  Call c = begin_call(a);
+  Call c = begin_call(a, /*backward=*/true);
   Params& p = c.p;
   at::Tensor dO = dense(d_o.to(a.v.scalar_type()));
   at::Tensor dht;

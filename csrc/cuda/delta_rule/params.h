@@ -108,6 +108,10 @@ inline bool forms_wu(DType dtype, int K, int tile32, bool backward) {
   return !tile32 || (!backward && K == 64);
 }
 
+// CTAs of the forward's warpgroup pass (forms_wu, backward = false) that share an SM: it keeps one stage of tiles,
+// so that two CTAs overlap each other's loads and products (make_layout cuts sequences into segments for them).
+constexpr int kFwdWgCtasPerSm = 2;
+
 // Launchers (one per kernel family), defined in the .cu files; the storage type St is selected by dtype.
 void launch_prep(const Params& p, DType dtype, void* stream);
 // mode: 0 forward with output, 1 forward storing hT / VnT, 2 segment maps

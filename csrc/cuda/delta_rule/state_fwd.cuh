@@ -36,7 +36,6 @@ struct FwdCfg {
   static constexpr int NVR = TW / 16;  // warps over the rows of the state tile
   static constexpr int KS = (K == 256) ? 2 : KSP, KW = K / KS, NT = 32 * NVR * KS;
   static constexpr bool F32 = sizeof(St) == 4;
-  static constexpr int STAGES = (!F32 && K <= 128) ? 2 : 1;
   static constexpr bool WITH_Q = MODE == 0;
   static constexpr bool Q_ALIAS = WITH_Q && F32 && K == 256;  // Q reuses W's buffer after Vn is formed
   static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD, LDT = TW + PAD;
@@ -47,6 +46,8 @@ struct FwdCfg {
   // it, rows 64..127: one B operand for S^T [K | Q]^T; K is also the B operand of the state update), A and
   // Tm diag(beta) as sw128 tiles on 1024-byte boundaries, and V^T (in U^T's place), gam as below.
   static constexpr bool WG = HasWgmma<St>::value && K <= 128 && TW == 64 && KSP == 1 && MODE != 2;
+  // two stages where they fit; the forward's warpgroup pass keeps one, for kFwdWgCtasPerSm CTAs per SM
+  static constexpr int STAGES = (WG && MODE == 0) ? 1 : (!F32 && K <= 128) ? 2 : 1;
   static constexpr int NKQ = WITH_Q ? 2 : 1;                 // row blocks of 64 in the K (| Q) tile
   static constexpr size_t KQ_BYTES = (size_t)K * NKQ * 128;  // K / 64 blocks of 64 NKQ rows of 128 bytes
   static constexpr size_t AT_BYTES = (MODE == 0) ? 8192 : 0, TB_BYTES = 8192;
