@@ -37,3 +37,19 @@ def test_quick_checklist_on_the_cpu(tmp_path):
 def test_only_and_unknown_check(tmp_path):
     run = checklist(tmp_path, "--device", "cpu", "--only", "nope", timeout=120)
     assert run.returncode == 2 and "unknown check(s) nope" in run.stderr
+
+
+def test_ddp_spawn_deadline_ends_workers():
+    # A worker that outlives the deadline is ended and reported, instead of hanging the check: worker i sleeps
+    # i seconds (time.sleep(i)), so worker 1 outlives a 0.3 s deadline and fits in a 30 s one.
+    import time
+
+    import pytest
+
+    from gated_delta.checklist.training import _spawn_with_deadline
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="2 workers did not all finish within 0.3 s"):
+        _spawn_with_deadline(time.sleep, (), 2, 0.3)
+    assert time.monotonic() - start < 20
+    _spawn_with_deadline(time.sleep, (), 2, 30)

@@ -2,9 +2,9 @@
 import datetime
 import math
 import os
-import socket
 import statistics
 import tempfile
+import time
 
 import torch
 import torch.nn as nn
@@ -48,68 +48,98 @@ def layer_missing() -> str:
 
 # ---- multi-process training ----
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+DDP_TIMEOUT_S = 300  # the collectives' timeout, and the longest wait for the workers of the ddp check
 
 
-def _ddp_worker(rank: int, world: int, port: int, backend: str, device_kind: str, spec: dict, out_dir: str):
+def _ddp_run(rank: int, world: int, backend: str, device_kind: str, spec: dict) -> dict:
+    """One process's part of the ddp check: its gradients (rank 0 also a single process's on the whole batch) and
+    its timings."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    hidden, B, T = spec["hidden"], spec["B"], spec["T"]
+    x, target = batch(B, T, hidden, seed=1, device=device)
+    per_rank = B // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+
+    torch.manual_seed(0)
+    model = TinyModel(hidden, spec["heads"], spec["head_dim"]).to(device)
+    ddp = DDP(model, device_ids=[rank] if backend == "nccl" else None)
+    F.mse_loss(ddp(x[mine]), target[mine]).backward()
+    result = {"grads": {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()}}
+
+    if rank == 0:  # one process on the whole batch, from the same initial weights
+        torch.manual_seed(0)
+        single = TinyModel(hidden, spec["heads"], spec["head_dim"]).to(device)
+        F.mse_loss(single(x), target).backward()
+        result["single_grads"] = {n: p.grad.detach().cpu().clone() for n, p in single.named_parameters()}
+
+    flat = torch.cat([p.grad.detach().flatten() for p in model.parameters()])
+
+    def allreduce():
+        dist.all_reduce(flat)
+
+    def forward():
+        with torch.no_grad():
+            model(x[mine])
+
+    def step():
+        ddp.zero_grad(set_to_none=True)
+        F.mse_loss(ddp(x[mine]), target[mine]).backward()
+
+    dist.barrier()
+    result["allreduce_s"] = fastest_seconds(allreduce, device.type, repeats=5)
+    result["forward_s"] = fastest_seconds(forward, device.type, repeats=5)
+    dist.barrier()
+    result["step_s"] = fastest_seconds(step, device.type, repeats=5)
+    result["grad_bytes"] = flat.numel() * flat.element_size()
+    dist.barrier()
+    return result
+
+
+def _ddp_worker(rank: int, world: int, store_file: str, backend: str, device_kind: str, spec: dict, out_dir: str):
+    import gc
+
+    import torch.distributed as dist
+
     if device_kind == "cpu":
         torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    # rendezvous through a file in the check's own directory: no TCP port to pick and lose to another process
+    dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=DDP_TIMEOUT_S))
     try:
-        if backend == "nccl":
-            device = torch.device("cuda", rank)
-            torch.cuda.set_device(device)
-        else:
-            device = torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
-        hidden, B, T = spec["hidden"], spec["B"], spec["T"]
-        x, target = batch(B, T, hidden, seed=1, device=device)
-        per_rank = B // world
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-
-        torch.manual_seed(0)
-        model = TinyModel(hidden, spec["heads"], spec["head_dim"]).to(device)
-        ddp = DDP(model, device_ids=[rank] if backend == "nccl" else None)
-        F.mse_loss(ddp(x[mine]), target[mine]).backward()
-        result = {"grads": {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()}}
-
-        if rank == 0:  # one process on the whole batch, from the same initial weights
-            torch.manual_seed(0)
-            single = TinyModel(hidden, spec["heads"], spec["head_dim"]).to(device)
-            F.mse_loss(single(x), target).backward()
-            result["single_grads"] = {n: p.grad.detach().cpu().clone() for n, p in single.named_parameters()}
-
-        flat = torch.cat([p.grad.detach().flatten() for p in model.parameters()])
-
-        def allreduce():
-            dist.all_reduce(flat)
-
-        def forward():
-            with torch.no_grad():
-                model(x[mine])
-
-        def step():
-            ddp.zero_grad(set_to_none=True)
-            F.mse_loss(ddp(x[mine]), target[mine]).backward()
-
-        dist.barrier()
-        result["allreduce_s"] = fastest_seconds(allreduce, device.type, repeats=5)
-        result["forward_s"] = fastest_seconds(forward, device.type, repeats=5)
-        dist.barrier()
-        result["step_s"] = fastest_seconds(step, device.type, repeats=5)
-        result["grad_bytes"] = flat.numel() * flat.element_size()
+        result = _ddp_run(rank, world, backend, device_kind, spec)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
+        # DDP's reducer holds the process group, and releasing the reducer keeps the GIL: were it the group's last
+        # holder, the group's destructor would wait, under the GIL, for a worker thread that needs the GIL to
+        # finish its last work (a deadlock). So DDP goes first (its frame has returned; the collection frees any
+        # cycle), while the group is still registered, and destroy_process_group then ends the group.
+        gc.collect()
         dist.destroy_process_group()
+
+
+def _spawn_with_deadline(fn, args, nprocs: int, seconds: float):
+    """torch.multiprocessing.spawn that raises TimeoutError, after ending the workers, when they have not all
+    finished within seconds."""
+    ctx = torch.multiprocessing.spawn(fn, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + seconds
+    while not ctx.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join()
+            raise TimeoutError(f"{nprocs} workers did not all finish within {seconds:g} s")
 
 
 def _max_relative_error(grads, ref):
@@ -138,8 +168,11 @@ def check_ddp(cfg: Config) -> Result:
         spec = dict(hidden=32, heads=2, head_dim=16, B=4, T=48)
     tol = 1e-3 if cfg.cuda else 1e-4
     with tempfile.TemporaryDirectory() as out_dir:
-        torch.multiprocessing.spawn(_ddp_worker, args=(world, _free_port(), backend, cfg.device, spec, out_dir),
-                                    nprocs=world, join=True)
+        args = (world, os.path.join(out_dir, "store"), backend, cfg.device, spec, out_dir)
+        try:
+            _spawn_with_deadline(_ddp_worker, args, world, DDP_TIMEOUT_S + 60)
+        except TimeoutError as e:
+            return Result("ddp", FAIL, f"{world} processes, {where}: {e}")
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
     err, worst_param = _max_relative_error(ranks[0]["grads"], ranks[0]["single_grads"])
     err_r1, _ = _max_relative_error(ranks[1]["grads"], ranks[0]["grads"])
