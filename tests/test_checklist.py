@@ -46,10 +46,10 @@ def test_ddp_spawn_deadline_ends_workers():
 
     import pytest
 
-    from gated_delta.checklist.training import _spawn_with_deadline
+    from gated_delta.checklist.common import spawn_with_deadline
 
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="2 workers did not all finish within 0.3 s"):
-        _spawn_with_deadline(time.sleep, (), 2, 0.3)
+        spawn_with_deadline(time.sleep, (), 2, 0.3)
     assert time.monotonic() - start < 20
-    _spawn_with_deadline(time.sleep, (), 2, 30)
+    spawn_with_deadline(time.sleep, (), 2, 30)

@@ -9,19 +9,19 @@ import datetime
 import json
 import os
 import re
-import socket
 import tempfile
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import gated_delta
+from gated_delta.checklist.common import spawn_with_deadline
 from helpers import OPTION_SETS, make_inputs, rel
 
-TIMEOUT_S = 60
+TIMEOUT_S = 60  # of each collective
+WORKERS_DEADLINE_S = 1200  # of the whole run of the workers
 WORLD = 4
 PER_TOKEN = ("q", "k", "v", "g", "beta")
 REPLICATED = ("initial_state", "A_log", "dt_bias")
@@ -254,13 +254,13 @@ def _cases(rows, group, singles):
         _bad_input_cases(rows, group, singles)
 
 
-def _worker(rank, port, out_dir):
+def _worker(rank, store_file, out_dir):
     """One of WORLD processes: the cases of 2 and 3 ranks on subgroups of the first ranks, then those of 4 on the
     whole group, then two CP groups of 2 side by side (context parallelism inside data parallelism)."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    # rendezvous through a file in the test's directory: no TCP port to pick and lose to another process
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
     groups = {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2]), 4: dist.group.WORLD}
     singles = [dist.new_group([r]) for r in range(WORLD)]
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -284,12 +284,6 @@ def _worker(rank, port, out_dir):
     dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(rows, f)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("options", ["plain", "all"])
@@ -322,7 +316,7 @@ def test_map_pass_is_the_affine_map(options):
 def cp_rows():
     """Every row of every worker: (world or "dp", rank, case, quantity, error, tolerance)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True)
+        spawn_with_deadline(_worker, (os.path.join(out_dir, "store"), out_dir), WORLD, WORKERS_DEADLINE_S)
         rows = []
         for r in range(WORLD):
             with open(os.path.join(out_dir, f"rank{r}.json")) as f:

@@ -47,6 +47,21 @@ class Shape:
     V: int
 
 
+def spawn_with_deadline(fn, args, nprocs: int, seconds: float) -> None:
+    """torch.multiprocessing.spawn that raises TimeoutError, after ending the workers, when they have not all
+    finished within seconds."""
+    ctx = torch.multiprocessing.spawn(fn, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + seconds
+    while not ctx.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join()
+            raise TimeoutError(f"{nprocs} workers did not all finish within {seconds:g} s")
+
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()

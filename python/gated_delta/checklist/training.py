@@ -4,7 +4,6 @@ import math
 import os
 import statistics
 import tempfile
-import time
 
 import torch
 import torch.nn as nn
@@ -13,7 +12,7 @@ import torch.nn.functional as F
 import gated_delta
 
 from .common import (FAIL, PASS, SKIP, Config, Result, fastest_seconds, fmt_bytes, md_table, relative_error,
-                     rss_bytes, save_plot, synchronize)
+                     rss_bytes, save_plot, spawn_with_deadline, synchronize)
 
 ALLOCATOR_MIN_RATIO = 0.85  # peak active bytes / peak reserved bytes over a loop of varying sequence lengths
 CUDA_DRIFT_BYTES = 1 << 20  # allocated bytes may not grow more than this over a soak run
@@ -127,21 +126,6 @@ def _ddp_worker(rank: int, world: int, store_file: str, backend: str, device_kin
         dist.destroy_process_group()
 
 
-def _spawn_with_deadline(fn, args, nprocs: int, seconds: float):
-    """torch.multiprocessing.spawn that raises TimeoutError, after ending the workers, when they have not all
-    finished within seconds."""
-    ctx = torch.multiprocessing.spawn(fn, args=args, nprocs=nprocs, join=False)
-    deadline = time.monotonic() + seconds
-    while not ctx.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
-        if time.monotonic() >= deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            for p in ctx.processes:
-                p.join()
-            raise TimeoutError(f"{nprocs} workers did not all finish within {seconds:g} s")
-
-
 def _max_relative_error(grads, ref):
     """The largest relative error over the parameters, and that parameter's name."""
     errors = {n: relative_error(grads[n], r) for n, r in ref.items()}
@@ -170,7 +154,7 @@ def check_ddp(cfg: Config) -> Result:
     with tempfile.TemporaryDirectory() as out_dir:
         args = (world, os.path.join(out_dir, "store"), backend, cfg.device, spec, out_dir)
         try:
-            _spawn_with_deadline(_ddp_worker, args, world, DDP_TIMEOUT_S + 60)
+            spawn_with_deadline(_ddp_worker, args, world, DDP_TIMEOUT_S + 60)
         except TimeoutError as e:
             return Result("ddp", FAIL, f"{world} processes, {where}: {e}")
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
