@@ -258,6 +258,9 @@ Call begin_call(const CoreArgs& a, bool backward) {
   c.stream = at::cuda::getCurrentCUDAStream().stream();
   c.in = dense_inputs(a);
   c.dt = cuda::dtype_of(a.q.scalar_type(), "q");
+  // The forward's warpgroup pass takes two CTAs per SM. tile32 (which takes K = 128 off that pass) comes later,
+  // from this layout (base_params), so the slots are counted as if it stayed 0; that shapes only the segments.
+  // Which pass runs, and what the workspace holds for it, follow the real tile32 (plan_workspace).
   const bool fwd_wg = !backward && cuda::forms_wu(c.dt, static_cast<int>(a.head_k()), /*tile32=*/0, false);
   c.L = make_layout(a, fwd_wg ? cuda::kFwdWgCtasPerSm : 1);
   c.p = base_params(a, c.L);
