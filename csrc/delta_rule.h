@@ -169,7 +169,9 @@ inline const char* algorithm_name(Algorithm a) {
 struct CoreArgs {
   // q, k: [B, T, H, K]; v: [B, T, HV, V]. q, k, v share one dtype (fp64, fp32, bf16, fp16); any strides.
   at::Tensor q, k, v;
-  // g (final log decay) and beta (final write strength): [B, T, HV], float32 (float64 when v is float64).
+  // g (final log decay) and beta (final write strength): [B, T, HV]. g is float32 (float64 when v is float64);
+  // beta is any floating dtype, which a backend reads as its state dtype (the CUDA chunk kernels read bf16, fp16
+  // and fp32 in place, so a 16-bit beta needs no cast kernel).
   at::Tensor g, beta;
   // [N, HV, K, V] float32 (float64 for float64 inputs), or undefined for a zero initial state.
   at::Tensor initial_state;
@@ -190,6 +192,9 @@ struct CoreArgs {
   // Backward: a backend may return dq, dk, dv in the dtype of q/k/v instead of the state dtype (saves a cast
   // and half of their memory traffic). The op layer clears it when a chain rule still has to be applied to dq/dk.
   bool grads_in_input_dtype = false;
+  // Backward: a backend may return dbeta in beta's dtype instead of the state dtype; cleared by the op layer when
+  // the sigmoid's chain rule still has to be applied to it.
+  bool dbeta_in_beta_dtype = false;
 
   int64_t batch() const { return q.size(0); }
   int64_t seqlen() const { return q.size(1); }
@@ -218,7 +223,7 @@ struct CoreGrads {
   // args.grads_in_input_dtype is set and the backend supports it
   at::Tensor dq, dk;
   at::Tensor dv;           // [B, T, HV, V], state dtype, or the dtype of v as dq
-  at::Tensor dg, dbeta;    // [B, T, HV], state dtype
+  at::Tensor dg, dbeta;    // [B, T, HV], state dtype (dbeta: or beta's dtype, with args.dbeta_in_beta_dtype)
   at::Tensor d_initial_state;  // [N, HV, K, V] state dtype; undefined when args.initial_state is undefined
   at::Tensor dgk, dgv;     // [B, T, HV, K] / [B, T, HV, V] state dtype; undefined when args.gk / args.gv are
 };
@@ -247,7 +252,8 @@ inline Preprocessed preprocess(const DeltaRuleArgs& x) {
   CoreArgs& a = p.core;
   a.algorithm = parse_algorithm(x.algorithm);
   // q, k and v may differ in dtype: the core computes in the wider one (the output and every gradient are cast
-  // back to their input's dtype); g, beta, A_log, dt_bias and the state are read in the state dtype cd.
+  // back to their input's dtype); g, A_log, dt_bias and the state are read in the state dtype cd, beta in its own
+  // dtype unless the sigmoid is applied here (CoreArgs::beta).
   const at::ScalarType xd = compute_dtype(x.q.scalar_type(), x.v.scalar_type());
   const at::ScalarType cd = acc_dtype(xd);
   if (x.use_qk_l2norm_in_kernel) {
@@ -268,7 +274,7 @@ inline Preprocessed preprocess(const DeltaRuleArgs& x) {
     p.beta_sig = at::sigmoid(x.beta.to(cd));
     a.beta = x.allow_neg_eigval ? p.beta_sig * 2.0 : p.beta_sig;
   } else {
-    a.beta = x.beta.to(cd);
+    a.beta = x.beta;
   }
   if (x.use_gate_in_kernel) {
     p.gate_arg = x.dt_bias.has_value() ? x.g.to(cd) + x.dt_bias->to(cd) : x.g.to(cd);
@@ -293,6 +299,7 @@ inline Preprocessed preprocess(const DeltaRuleArgs& x) {
   a.scale = x.scale;
   a.chunk_size = x.chunk_size;
   a.grads_in_input_dtype = !x.use_qk_l2norm_in_kernel;  // the L2-norm chain rule wants dq, dk unrounded
+  a.dbeta_in_beta_dtype = !x.use_beta_sigmoid_in_kernel;   // and the sigmoid's dbeta unrounded
   return p;
 }
 

@@ -106,6 +106,24 @@ def test_deterministic():
             assert torch.equal(a[key], b[key]), (algo, key)
 
 
+def test_beta_dtype_is_read_in_place():
+    """beta is read in its own dtype (no cast kernel) and dbeta comes back in it: the same beta values in any dtype
+    give bitwise the same output and gradients, and dbeta is the fp32 one rounded to beta's dtype (fp64, not a
+    kernel dtype, is read and written as fp32)."""
+    inp = make_inputs(2, 130, 2, 4, 128, 128, torch.bfloat16, seed=11)
+    d_o = torch.randn(2, 130, 4, 128, device="cuda").to(torch.bfloat16)
+    d_ht = torch.randn(2, 4, 128, 128, device="cuda")
+    runs = {dt: run_ours(dict(inp, beta=inp["beta"].to(dt)), d_o, d_ht)  # (bf16 values fit in each dtype)
+            for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+    wide = runs[torch.float32]
+    for dt, r in runs.items():
+        assert r["dbeta"].dtype == dt
+        assert torch.equal(r["dbeta"], wide["dbeta"].to(dt)), dt
+        for key in wide:
+            if key != "dbeta":
+                assert torch.equal(r[key], wide[key]), (dt, key)
+
+
 def test_cuda_graph_replay_matches_eager():
     B, T, H, HV, K, V = 2, 200, 2, 4, 128, 128
     inp = make_inputs(B, T, H, HV, K, V, torch.bfloat16)

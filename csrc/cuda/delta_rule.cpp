@@ -237,7 +237,10 @@ Inputs dense_inputs(const CoreArgs& a) {
   in.k = dense(a.k);
   in.v = dense(a.v);
   in.g = dense(a.g.to(at::kFloat));
-  in.beta = dense(a.beta.to(at::kFloat));
+  // beta is read in place in a 16-bit dtype or fp32 (load_as_float), any other float dtype as fp32
+  const at::ScalarType bd = a.beta.scalar_type();
+  const bool beta_in_place = bd == at::kBFloat16 || bd == at::kHalf || bd == at::kFloat;
+  in.beta = dense(beta_in_place ? a.beta : a.beta.to(at::kFloat));
   if (a.initial_state.defined()) in.h0 = dense(a.initial_state.to(at::kFloat));
   return in;
 }
@@ -270,7 +273,8 @@ Call begin_call(const CoreArgs& a, bool backward) {
   c.p.k = c.in.k.data_ptr();
   c.p.v = c.in.v.data_ptr();
   c.p.g = c.in.g.data_ptr<float>();
-  c.p.beta = c.in.beta.data_ptr<float>();
+  c.p.beta = c.in.beta.data_ptr();
+  c.p.beta_dtype = cuda::dtype_of(c.in.beta.scalar_type(), "beta");
   return c;
 }
 
@@ -554,13 +558,14 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   gr.dk = at::empty(c.in.k.sizes(), gopts);
   gr.dv = at::empty(c.in.v.sizes(), gopts);
   gr.dg = at::empty(c.in.g.sizes(), c.fopts);
-  gr.dbeta = at::empty(c.in.beta.sizes(), c.fopts);
+  gr.dbeta = at::empty(c.in.beta.sizes(), a.dbeta_in_beta_dtype ? c.in.beta.options() : c.fopts);
   p.dq = gr.dq.data_ptr();
   p.dk1 = p.grad_f32 ? gr.dk.data_ptr<float>() : ws.ptr<float>(r.dk1);
   p.dk = gr.dk.data_ptr();
   p.dv = gr.dv.data_ptr();
   p.dg = gr.dg.data_ptr<float>();
-  p.dbeta = gr.dbeta.data_ptr<float>();
+  p.dbeta = gr.dbeta.data_ptr();
+  p.dbeta_dtype = cuda::dtype_of(gr.dbeta.scalar_type(), "dbeta");
   cuda::launch_grad_qk(p, c.dt, c.stream);
   cuda::launch_grad_wy(p, c.dt, c.stream);
   gr.d_initial_state = dh0;

@@ -1,5 +1,5 @@
-// Device helpers shared by the CUDA kernels: storage-type conversions, paired stores, loads of a run-time dtype,
-// shared-memory addresses, and small arithmetic (warp sums, sigmoid, ceil_div).
+// Device helpers shared by the CUDA kernels: storage-type conversions, paired stores, loads and stores of a run-time
+// dtype, shared-memory addresses, and small arithmetic (warp sums, sigmoid, ceil_div).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -48,6 +48,15 @@ __device__ __forceinline__ float load_as_float(const void* p, DType dtype, int64
     case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
     case DType::kHalf: return __half2float(static_cast<const __half*>(p)[i]);
     default: return static_cast<const float*>(p)[i];
+  }
+}
+
+// Stores x as element i of a tensor whose dtype is only known at run time (rounded to nearest).
+__device__ __forceinline__ void store_as(void* p, DType dtype, int64_t i, float x) {
+  switch (dtype) {
+    case DType::kBFloat16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x); break;
+    case DType::kHalf: static_cast<__half*>(p)[i] = __float2half_rn(x); break;
+    default: static_cast<float*>(p)[i] = x;
   }
 }
 

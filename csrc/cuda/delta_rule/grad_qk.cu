@@ -1,17 +1,17 @@
 // Chunk-parallel gradient kernels of the backward (docs/algorithms.md, "Backward of one chunk"), given the states
 // entering each chunk (hT), the state gradients leaving it (dhT), Vn^T and dVn^T from the two sequential passes.
 //
-// grad_qk: one CTA (8 warps) per (chunk, q/k head, 64-wide block of K); it loops over the value heads of the group
-// (summing dq and the first part of dk in registers: deterministic) and over 64-wide tiles of V:
+// grad_qk: one CTA (8 warps) per (chunk, q/k head, 64-wide block of K); it walks the value heads of the group
+// (summing dq and the first part of dk in registers: deterministic) and 64-wide tiles of V as one pipeline of
+// (head, V tile) steps, the tiles of the next two steps in flight across head boundaries:
 //   dA = scale dO Vn^T (masked i >= j)      dQ = scale diag(e^gam) dO S^T + (dA o E) K
 //   dK1 = (dA o E)^T Q + diag(e^{gam_L - gam}) Vn dS'^T            dW = -dVn S^T
 //   and the partial gradient of gam (per block of K).
-// (grad_wy: one CTA (4 warps) per (chunk, q/k head), looping over the group: reads Tm (written by the
-// backward's prep), then back through W = Tm diag(beta e^gam) K and U = Tm diag(beta) V with dU = dVn:
+// grad_wy: one CTA (4 warps) per (chunk, q/k head), looping over the group (the next head's tiles load during this
+// head's products): reads Tm (written by the backward's prep), then back through W = Tm diag(beta e^gam) K and
+// U = Tm diag(beta) V with dU = dVn:
 //   dTm = dW (diag(beta e^gam) K)^T + dU (diag(beta) V)^T,  dM = -Tm^T dTm Tm^T (strictly lower)
 //   dK += diag(beta e^gam) Tm^T dW + R K + R^T K (R = dM o beta_i E),  dV = diag(beta) Tm^T dU,  dbeta, dg.
-// Mirrored kernel staging: its tile loads and per-head loops follow the same pattern as the other chunk-parallel
-// kernels (prep.cu, grad_qk.cu, grad_wy.cu), each written out so that its pipeline is tuned on its own.
 #include "../dispatch.cuh"
 #include "chunks.cuh"
 #include "mma.cuh"
@@ -24,24 +24,29 @@ namespace cuda {
 template <class St>
 struct QkCfg {
   static constexpr bool F32 = sizeof(St) == 4;
-  static constexpr int STAGES = F32 ? 1 : 2;
+  // Tile sets of the (value head, V tile) steps in flight: two ahead of the one computed (one for fp32). The steps
+  // run across the value heads of the group, so the next head's first tiles load during this head's element-wise
+  // terms. A and gam are per head: NA slots, enough that a head's slot is not refilled before its terms are done.
+  static constexpr int STAGES = F32 ? 1 : 3;
+  static constexpr int NA = F32 ? 1 : 3;
   static constexpr int LDC = C + PadOf<St>::value;
   static constexpr int TILE = C * LDC;  // elements of one 64 x 64 tile
   static constexpr size_t STAGE_BYTES = sizeof(St) * 5 * TILE;
-  static constexpr size_t bytes = STAGES * STAGE_BYTES + sizeof(St) * 4 * TILE + sizeof(float) * (64 + 2 * 64 + 2 * 64 + 4 * 64 + 8);
+  static constexpr size_t bytes = STAGES * STAGE_BYTES + sizeof(St) * (3 + NA) * TILE +
+                                  sizeof(float) * (NA * 64 + 2 * 64 + 2 * 64 + 4 * 64 + 8);
 };
 
 template <class St>
 __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
   using F = QkCfg<St>;
-  constexpr int LDC = F::LDC, TILE = F::TILE;
+  constexpr int LDC = F::LDC, TILE = F::TILE, STAGES = F::STAGES, NA = F::NA;
   extern __shared__ __align__(16) unsigned char smem[];
-  St* qs = reinterpret_cast<St*>(smem + F::STAGES * F::STAGE_BYTES);
+  St* qs = reinterpret_cast<St*>(smem + STAGES * F::STAGE_BYTES);
   St* ksm = qs + TILE;
-  St* As = ksm + TILE;
-  St* dAEs = As + TILE;
-  float* gam = reinterpret_cast<float*>(dAEs + TILE);
-  float* rowA = gam + 64;   // [2][64]
+  St* dAEs = ksm + TILE;
+  St* Aslots = dAEs + TILE;  // [NA] tiles
+  float* gslots = reinterpret_cast<float*>(Aslots + NA * TILE);  // [NA][64]
+  float* rowA = gslots + NA * 64;  // [2][64]
   float* rowK = rowA + 128; // [2][64]
   float* colB = rowK + 128; // [4][64]
   float* sdots = colB + 256; // [8]
@@ -54,106 +59,119 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
   const ChunkInfo ci = chunk_info(p, c);
   const int K = p.K, V = p.V;
   const int64_t HK = static_cast<int64_t>(p.H) * K;
+  const int nvt = V / 64, nsteps = p.G * nvt;
+
+  // Step s: value head gi = s / nvt of the group, V tile vt = s % nvt. Its five tiles go to stage s % STAGES; the
+  // first step of a head also brings the head's gam (and A, which only the first K block reads) to slot gi % NA.
+  auto issue = [&](int s) {
+    const int gi = s / nvt, vt = s % nvt, hv = h * p.G + gi;
+    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+    St* base = reinterpret_cast<St*>(smem + (s % STAGES) * F::STAGE_BYTES);
+    load_tile<St, C, C, 256>(base, LDC, static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * V + vt * 64,
+                             static_cast<int64_t>(p.HV) * V, ci.len, tid);
+    load_tile<St, C, C, 256>(base + TILE, LDC, static_cast<const St*>(p.VnT) + (chv * V + vt * 64) * C, C, C, tid);
+    load_tile<St, C, C, 256>(base + 2 * TILE, LDC, static_cast<const St*>(p.dVnT) + (chv * V + vt * 64) * C, C, C,
+                             tid);
+    load_tile<St, C, C, 256>(base + 3 * TILE, LDC,
+                             static_cast<const St*>(p.hT) + (chv * V + vt * 64) * K + kb * 64, K, C, tid);
+    load_tile<St, C, C, 256>(base + 4 * TILE, LDC,
+                             static_cast<const St*>(p.dhT) + (chv * V + vt * 64) * K + kb * 64, K, C, tid);
+    if (vt == 0) {
+      if (kb == 0)
+        load_tile<St, C, C, 256>(Aslots + (gi % NA) * TILE, LDC, static_cast<const St*>(p.A) + chv * C * C, C, C,
+                                 tid);
+      if (tid < 16) cp_async16(gslots + (gi % NA) * 64 + 4 * tid, p.gam + chv * C + 4 * tid, true);
+    }
+  };
 
   load_tile<St, C, C, 256>(qs, LDC, static_cast<const St*>(p.q) + ci.bos * HK + h * K + kb * 64, HK, ci.len, tid);
   load_tile<St, C, C, 256>(ksm, LDC, static_cast<const St*>(p.k) + ci.bos * HK + h * K + kb * 64, HK, ci.len, tid);
-  cp_async_commit();
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {  // (q and k ride with step 0)
+    if (s < nsteps) issue(s);
+    cp_async_commit();
+  }
 
   float dQ[4][4], dK1[4][4];
   zero_acc(dQ);
   zero_acc(dK1);
-  const int nvt = V / 64;
+  float dA[4][4], dQs[4][4], dWn[4][4], dKt[4][4];
+  float sdot = 0.f;
 
 #pragma unroll 1
-  for (int gi = 0; gi < p.G; ++gi) {
-    const int hv = h * p.G + gi;
+  for (int s = 0; s < nsteps; ++s) {
+    const int gi = s / nvt, vt = s % nvt, hv = h * p.G + gi;
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
-    load_tile<St, C, C, 256>(As, LDC, static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
-    if (tid < 16) cp_async16(gam + 4 * tid, p.gam + chv * C + 4 * tid, true);
-    cp_async_commit();
-
-    auto issue = [&](int vt, int b) {
-      St* base = reinterpret_cast<St*>(smem + b * F::STAGE_BYTES);
-      load_tile<St, C, C, 256>(base, LDC, static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * V + vt * 64,
-                               static_cast<int64_t>(p.HV) * V, ci.len, tid);
-      load_tile<St, C, C, 256>(base + TILE, LDC, static_cast<const St*>(p.VnT) + (chv * V + vt * 64) * C, C, C, tid);
-      load_tile<St, C, C, 256>(base + 2 * TILE, LDC, static_cast<const St*>(p.dVnT) + (chv * V + vt * 64) * C, C, C,
-                               tid);
-      load_tile<St, C, C, 256>(base + 3 * TILE, LDC,
-                               static_cast<const St*>(p.hT) + (chv * V + vt * 64) * K + kb * 64, K, C, tid);
-      load_tile<St, C, C, 256>(base + 4 * TILE, LDC,
-                               static_cast<const St*>(p.dhT) + (chv * V + vt * 64) * K + kb * 64, K, C, tid);
-    };
-
-    float dA[4][4], dQs[4][4], dWn[4][4], dKt[4][4];
-    zero_acc(dA);
-    zero_acc(dQs);
-    zero_acc(dWn);
-    zero_acc(dKt);
-    float sdot = 0.f;
-#pragma unroll 1
-    for (int vt = 0; vt < nvt; ++vt) {
-      const int buf = (F::STAGES == 2) ? (vt & 1) : 0;
-      if constexpr (F::STAGES == 2) {
-        if (vt == 0) { issue(0, 0); cp_async_commit(); }
-        if (vt + 1 < nvt) { issue(vt + 1, buf ^ 1); cp_async_commit(); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
-      } else {
-        issue(vt, 0);
-        cp_async_commit();
-        cp_async_wait<0>();
-      }
-      __syncthreads();
-      St* dOs = reinterpret_cast<St*>(smem + buf * F::STAGE_BYTES);
-      St* VnTs = dOs + TILE;
-      St* dVnTs = dOs + 2 * TILE;
-      St* hTs = dOs + 3 * TILE;
-      St* dhTs = dOs + 4 * TILE;
+    if constexpr (STAGES == 1) {
+      __syncthreads();  // every thread is done with step s - 1's tiles and the last head's terms
+      issue(s);
+      cp_async_commit();
+    }
+    cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();  // step s has landed (one group per step after it)
+    __syncthreads();  // ... for every thread; and every thread is done with step s - 1's stage
+    if constexpr (STAGES > 1) {
+      if (s + STAGES - 1 < nsteps) issue(s + STAGES - 1);
+      cp_async_commit();  // (an empty group past the last step keeps the count)
+    }
+    if (vt == 0) {
+      zero_acc(dA);
+      zero_acc(dQs);
+      zero_acc(dWn);
+      zero_acc(dKt);
+      sdot = 0.f;
+    }
+    St* dOs = reinterpret_cast<St*>(smem + (s % STAGES) * F::STAGE_BYTES);
+    St* VnTs = dOs + TILE;
+    St* dVnTs = dOs + 2 * TILE;
+    St* hTs = dOs + 3 * TILE;
+    St* dhTs = dOs + 4 * TILE;
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const FragA<St> a_dO = lda<St>(dOs, LDC, 16 * rg, 16 * kk);
-        const FragA<St> a_dVn = lda_t<St>(dVnTs, LDC, 16 * rg, 16 * kk);
-        const FragA<St> a_Vn = lda_t<St>(VnTs, LDC, 16 * rg, 16 * kk);
+    for (int kk = 0; kk < 4; ++kk) {
+      const FragA<St> a_dO = lda<St>(dOs, LDC, 16 * rg, 16 * kk);
+      const FragA<St> a_dVn = lda_t<St>(dVnTs, LDC, 16 * rg, 16 * kk);
+      const FragA<St> a_Vn = lda_t<St>(VnTs, LDC, 16 * rg, 16 * kk);
 #pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          const int n0 = 32 * chf + 16 * np;
-          FragB<St> b[2];
-          ldb_t<St>(b, VnTs, LDC, 16 * kk, n0);
-          mma<St>(dA[2 * np], a_dO, b[0]);
-          mma<St>(dA[2 * np + 1], a_dO, b[1]);
-          FragB<St> bh[2];
-          ldb_t<St>(bh, hTs, LDC, 16 * kk, n0);
-          mma<St>(dQs[2 * np], a_dO, bh[0]);
-          mma<St>(dQs[2 * np + 1], a_dO, bh[1]);
-          mma<St>(dWn[2 * np], a_dVn, bh[0]);
-          mma<St>(dWn[2 * np + 1], a_dVn, bh[1]);
-          ldb_t<St>(b, dhTs, LDC, 16 * kk, n0);
-          mma<St>(dKt[2 * np], a_Vn, b[0]);
-          mma<St>(dKt[2 * np + 1], a_Vn, b[1]);
-          // sum(hT o dhT) from the fragments both products just loaded (same positions): the row blocks kk are
-          // loaded by every rg, so warp rg counts block kk == rg only
-          if constexpr (sizeof(St) == 2) {
-            if (kk == rg) {
+      for (int np = 0; np < 2; ++np) {
+        const int n0 = 32 * chf + 16 * np;
+        FragB<St> b[2];
+        ldb_t<St>(b, VnTs, LDC, 16 * kk, n0);
+        mma<St>(dA[2 * np], a_dO, b[0]);
+        mma<St>(dA[2 * np + 1], a_dO, b[1]);
+        FragB<St> bh[2];
+        ldb_t<St>(bh, hTs, LDC, 16 * kk, n0);
+        mma<St>(dQs[2 * np], a_dO, bh[0]);
+        mma<St>(dQs[2 * np + 1], a_dO, bh[1]);
+        mma<St>(dWn[2 * np], a_dVn, bh[0]);
+        mma<St>(dWn[2 * np + 1], a_dVn, bh[1]);
+        ldb_t<St>(b, dhTs, LDC, 16 * kk, n0);
+        mma<St>(dKt[2 * np], a_Vn, b[0]);
+        mma<St>(dKt[2 * np + 1], a_Vn, b[1]);
+        // sum(hT o dhT) from the fragments both products just loaded (same positions): the row blocks kk are
+        // loaded by every rg, so warp rg counts block kk == rg only
+        if constexpr (sizeof(St) == 2) {
+          if (kk == rg) {
 #pragma unroll
-              for (int t = 0; t < 2; ++t)
+            for (int t = 0; t < 2; ++t)
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                  const float2 x = unpack2<St>(bh[t].x[r]), y = unpack2<St>(b[t].x[r]);
-                  sdot += x.x * y.x + x.y * y.y;
-                }
-            }
+              for (int r = 0; r < 2; ++r) {
+                const float2 x = unpack2<St>(bh[t].x[r]), y = unpack2<St>(b[t].x[r]);
+                sdot += x.x * y.x + x.y * y.y;
+              }
           }
         }
       }
-      if constexpr (sizeof(St) == 4) {
-        for (int idx = tid; idx < C * C; idx += 256) {
-          const int r = idx >> 6, cc = idx & 63;
-          sdot += to_f<St>(hTs[r * LDC + cc]) * to_f<St>(dhTs[r * LDC + cc]);
-        }
-      }
-      __syncthreads();
     }
+    if constexpr (sizeof(St) == 4) {
+      for (int idx = tid; idx < C * C; idx += 256) {
+        const int r = idx >> 6, cc = idx & 63;
+        sdot += to_f<St>(hTs[r * LDC + cc]) * to_f<St>(dhTs[r * LDC + cc]);
+      }
+    }
+    if (vt + 1 < nvt) continue;
 
-    // element-wise terms
+    // the head's last V tile is in: its element-wise terms
+    const St* As = Aslots + (gi % NA) * TILE;
+    const float* gam = gslots + (gi % NA) * 64;
     float rA[2] = {0.f, 0.f}, rK[2] = {0.f, 0.f}, cB[4][2];
     const float gL = gam[C - 1];
     St* dWg = static_cast<St*>(p.dW) + chv * C * K + kb * 64;
@@ -255,7 +273,7 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
       }
       p.dgam1[((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hv) * C + i] = v;
     }
-    __syncthreads();
+    // (the next writes of dAEs and the row sums come after the next step's barrier)
   }
 
   // store dq (input dtype, or fp32 with grad_f32) and the first part of dk (fp32), valid rows only

@@ -1,17 +1,17 @@
 // Chunk-parallel gradient kernels of the backward (docs/algorithms.md, "Backward of one chunk"), given the states
 // entering each chunk (hT), the state gradients leaving it (dhT), Vn^T and dVn^T from the two sequential passes.
 //
-// grad_qk: one CTA (8 warps) per (chunk, q/k head, 64-wide block of K); it loops over the value heads of the group
-// (summing dq and the first part of dk in registers: deterministic) and over 64-wide tiles of V:
+// grad_qk: one CTA (8 warps) per (chunk, q/k head, 64-wide block of K); it walks the value heads of the group
+// (summing dq and the first part of dk in registers: deterministic) and 64-wide tiles of V as one pipeline of
+// (head, V tile) steps, the tiles of the next two steps in flight across head boundaries:
 //   dA = scale dO Vn^T (masked i >= j)      dQ = scale diag(e^gam) dO S^T + (dA o E) K
 //   dK1 = (dA o E)^T Q + diag(e^{gam_L - gam}) Vn dS'^T            dW = -dVn S^T
 //   and the partial gradient of gam (per block of K).
-// grad_wy: one CTA (4 warps) per (chunk, q/k head), looping over the group: reads Tm (written by the
-// backward's prep), then back through W = Tm diag(beta e^gam) K and U = Tm diag(beta) V with dU = dVn:
+// grad_wy: one CTA (4 warps) per (chunk, q/k head), looping over the group (the next head's tiles load during this
+// head's products): reads Tm (written by the backward's prep), then back through W = Tm diag(beta e^gam) K and
+// U = Tm diag(beta) V with dU = dVn:
 //   dTm = dW (diag(beta e^gam) K)^T + dU (diag(beta) V)^T,  dM = -Tm^T dTm Tm^T (strictly lower)
 //   dK += diag(beta e^gam) Tm^T dW + R K + R^T K (R = dM o beta_i E),  dV = diag(beta) Tm^T dU,  dbeta, dg.
-// Mirrored kernel staging: its tile loads and per-head loops follow the same pattern as the other chunk-parallel
-// kernels (prep.cu, grad_qk.cu, grad_wy.cu), each written out so that its pipeline is tuned on its own.
 #include <c10/util/Exception.h>
 
 #include "../dispatch.cuh"
@@ -39,7 +39,7 @@ template <class St, int K, bool RES>
 __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
   // K <= 128: dk of this CTA's rows stays in registers over the value heads of the group (one read of grad_qk's
   // part, one store); K = 256 adds each head's part into dk1 in memory
-  constexpr bool DKREG = K <= 128;
+  constexpr bool DKREG = K <= 128, F32 = sizeof(St) == 4;
   using F = WyCfg<St, K>;
   constexpr int LDK = F::LDK, LDC = F::LDC, LDF = F::LDF, TILE = F::TILE;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -64,8 +64,37 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
   const ChunkInfo ci = chunk_info(p, c);
   const int64_t HK = static_cast<int64_t>(p.H) * K;
 
+  // RES: a head's resident tiles load in two groups, each issued as soon as the previous head is done with its
+  // buffers: dVn^T and V after that head's dTm and dV, Tm and dW after its dK.
+  auto head_ptrs = [&](int gi, const St*& dWg, const St*& dVnTg, const St*& vg) {
+    const int hv = h * p.G + gi;
+    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+    dWg = static_cast<const St*>(p.dW) + chv * C * K;
+    dVnTg = static_cast<const St*>(p.dVnT) + chv * V * C;
+    vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * V;
+  };
+  auto issue_tm_dw = [&](int gi) {
+    const St *dWg, *dVnTg, *vg;
+    head_ptrs(gi, dWg, dVnTg, vg);
+    const int64_t chv = static_cast<int64_t>(c) * p.HV + h * p.G + gi;
+    load_tile<St, C, C, 128>(TmS, LDC, static_cast<const St*>(p.Tm) + chv * C * C, C, C, tid);
+    if constexpr (RES)
+      for (int kb = 0; kb < K / 64; ++kb) load_tile<St, C, C, 128>(dWr + kb * TILE, LDC, dWg + kb * 64, K, C, tid);
+    cp_async_commit();
+  };
+  auto issue_dvn_v = [&](int gi) {
+    const St *dWg, *dVnTg, *vg;
+    head_ptrs(gi, dWg, dVnTg, vg);
+    for (int vb = 0; vb < NVB; ++vb) {
+      load_tile<St, C, C, 128>(dVr + vb * TILE, LDC, dVnTg + static_cast<int64_t>(vb) * 64 * C, C, C, tid);
+      load_tile<St, C, C, 128>(Vr + vb * TILE, LDC, vg + vb * 64, static_cast<int64_t>(p.HV) * V, ci.len, tid);
+    }
+    cp_async_commit();
+  };
   load_tile<St, C, K, 128>(Ks, LDK, static_cast<const St*>(p.k) + ci.bos * HK + h * K, HK, ci.len, tid);
   cp_async_commit();
+  issue_tm_dw(0);  // (in flight during K K^T)
+  if constexpr (RES) issue_dvn_v(0);
   // grad_qk's part of dk for this thread's fragment positions (rows past the chunk's end stay zero), in flight
   // during the first head's work
   float dka[DKREG ? K / 64 : 1][8][4];
@@ -83,7 +112,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
           dka[kb][nt][2 * hr + 1] = cur.y;
         }
   }
-  cp_async_wait<0>();
+  cp_async_wait<RES ? 2 : 1>();  // K (the first head's groups may still be in flight)
   __syncthreads();
   {  // K K^T (independent of the value head)
     float kk[8][4];
@@ -110,25 +139,16 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
   for (int gi = 0; gi < p.G; ++gi) {
     const int hv = h * p.G + gi;
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
-    const St* dWg = static_cast<const St*>(p.dW) + chv * C * K;
-    const St* dVnTg = static_cast<const St*>(p.dVnT) + chv * V * C;
-    const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * V;
+    const St *dWg, *dVnTg, *vg;
+    head_ptrs(gi, dWg, dVnTg, vg);
     float dgam_qk = 0.f;  // grad_qk's partial gradients of gam (row tid), used at the end of this head
     if (tid < 64) {
       gam[tid] = p.gam[chv * C + tid];
-      bet[tid] = tid < ci.len ? p.beta[(ci.bos + tid) * p.HV + hv] : 0.f;
+      const int64_t tok = (ci.bos + tid) * p.HV + hv;
+      bet[tid] = tid < ci.len ? load_as_float(p.beta, p.beta_dtype, tok) : 0.f;
       for (int kb = 0; kb < K / 64; ++kb) dgam_qk += p.dgam1[((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hv) * C + tid];
     }
-    load_tile<St, C, C, 128>(TmS, LDC, static_cast<const St*>(p.Tm) + chv * C * C, C, C, tid);
-    if constexpr (RES) {
-      for (int kb = 0; kb < K / 64; ++kb) load_tile<St, C, C, 128>(dWr + kb * TILE, LDC, dWg + kb * 64, K, C, tid);
-      for (int vb = 0; vb < NVB; ++vb) {
-        load_tile<St, C, C, 128>(dVr + vb * TILE, LDC, dVnTg + static_cast<int64_t>(vb) * 64 * C, C, C, tid);
-        load_tile<St, C, C, 128>(Vr + vb * TILE, LDC, vg + vb * 64, static_cast<int64_t>(p.HV) * V, ci.len, tid);
-      }
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
+    cp_async_wait<0>();  // this head's tiles (issued before the loop or during the previous head)
     __syncthreads();
     auto get_dW = [&](int kb) -> const St* {
       if constexpr (RES) return dWr + kb * TILE;
@@ -155,6 +175,33 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
       Vb = blk + TILE;
     };
 
+    // dV = diag(beta) Tm^T dU, per 64-column block. 16-bit types: right after dTm, so that dVn^T and V are free
+    // for the next head's tiles during the rest of this head; fp32 keeps it last (fewer registers live).
+    float ry[2] = {0.f, 0.f};
+    auto dv_phase = [&] {
+#pragma unroll 1
+      for (int vb = 0; vb < NVB; ++vb) {
+        const St *dU, *Vb;
+        get_dU_V(vb, dU, Vb, true);
+        float Y[8][4];
+        zero_acc(Y);
+        warp_mma_16x64x64<St, true, false>(Y, TmS, LDC, 16 * warp, dU, LDC, 0);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int i = 16 * warp + g8 + 8 * hr;
+            const int vl = 8 * nt + 2 * q;
+            const float y0 = Y[nt][2 * hr], y1 = Y[nt][2 * hr + 1];
+            ry[hr] += to_f<St>(Vb[i * LDC + vl]) * y0 + to_f<St>(Vb[i * LDC + vl + 1]) * y1;
+            if (i < ci.len) {
+              const int64_t off = (ci.bos + i) * p.HV * V + static_cast<int64_t>(hv) * V + vb * 64 + vl;
+              st2_grad<St>(p.dv, off, bet[i] * y0, bet[i] * y1, p.grad_f32);
+            }
+          }
+      }
+    };
+
     // dTm = (dW K^T) diag(beta e^gam) + (dU V^T) diag(beta)
     float aW[8][4], aU[8][4];
     zero_acc(aW);
@@ -177,7 +224,11 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
         const int i = 16 * warp + g8 + 8 * (e >> 1), j = 8 * nt + 2 * q + (e & 1);
         dTmS[i * LDC + j] = from_f<St>(bet[j] * (aW[nt][e] * __expf(gam[j]) + aU[nt][e]));
       }
+    if constexpr (!F32) dv_phase();
     __syncthreads();
+    if constexpr (RES && !F32) {
+      if (gi + 1 < p.G) issue_dvn_v(gi + 1);  // (dVn^T and V are done with)
+    }
 
     // dM = -Tm^T dTm Tm^T, strictly lower
     float P[8][4], dM[8][4];
@@ -197,7 +248,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
     }
     __syncthreads();  // every warp is done with dTm: R takes its place
     // R = dM o beta_i E, the beta and gam terms of M
-    float R[8][4];
+    float R[F32 ? 8 : 1][4];  // (fp32: R also stays in registers)
     float rbeta[2] = {0.f, 0.f}, rgam[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -216,7 +267,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
           cm[e & 1] += dmm;
           r = dm * bet[i] * E;
         }
-        R[nt][e] = r;
+        if constexpr (F32) R[nt][e] = r;
         RS[i * LDC + j] = from_f<St>(r);
       }
 #pragma unroll
@@ -241,7 +292,9 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
 #pragma unroll
       for (int kt = 0; kt < 4; ++kt) {
         const FragA<St> at = lda_t<St>(TmS, LDC, 16 * warp, 16 * kt);
-        const FragA<St> ar = frag_a_from_c<St>(R[2 * kt], R[2 * kt + 1]);
+        FragA<St> ar;
+        if constexpr (F32) ar = frag_a_from_c<St>(R[2 * kt], R[2 * kt + 1]);
+        else ar = lda<St>(RS, LDC, 16 * warp, 16 * kt);
         const FragA<St> art = lda_t<St>(RS, LDC, 16 * warp, 16 * kt);
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
@@ -281,29 +334,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
           }
         }
     }
-    // dV = diag(beta) Tm^T dU, per 64-column block
-    float ry[2] = {0.f, 0.f};
-#pragma unroll 1
-    for (int vb = 0; vb < NVB; ++vb) {
-      const St *dU, *Vb;
-      get_dU_V(vb, dU, Vb, true);
-      float Y[8][4];
-      zero_acc(Y);
-      warp_mma_16x64x64<St, true, false>(Y, TmS, LDC, 16 * warp, dU, LDC, 0);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int i = 16 * warp + g8 + 8 * hr;
-          const int vl = 8 * nt + 2 * q;
-          const float y0 = Y[nt][2 * hr], y1 = Y[nt][2 * hr + 1];
-          ry[hr] += to_f<St>(Vb[i * LDC + vl]) * y0 + to_f<St>(Vb[i * LDC + vl + 1]) * y1;
-          if (i < ci.len) {
-            const int64_t off = (ci.bos + i) * p.HV * V + static_cast<int64_t>(hv) * V + vb * 64 + vl;
-            st2_grad<St>(p.dv, off, bet[i] * y0, bet[i] * y1, p.grad_f32);
-          }
-        }
-    }
+    if constexpr (F32) dv_phase();
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       float x = rx[hr], y = ry[hr], b = rbeta[hr], gm = rgam[hr];
@@ -317,10 +348,14 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
       if (q == 0) {
         const int i = 16 * warp + g8 + 8 * hr;
         rowv[i] = bet[i] * x + gm;
-        if (i < ci.len) p.dbeta[(ci.bos + i) * p.HV + hv] = x + y + b;
+        if (i < ci.len) store_as(p.dbeta, p.dbeta_dtype, (ci.bos + i) * p.HV + hv, x + y + b);
       }
     }
     __syncthreads();
+    if (gi + 1 < p.G) {
+      issue_tm_dw(gi + 1);  // (Tm and dW are done with)
+      if constexpr (RES && F32) issue_dvn_v(gi + 1);
+    }
     if (tid < 64) {
       const int i = tid;
       rowv[i] = rowv[i] - ((colv[i] + colv[64 + i]) + (colv[128 + i] + colv[192 + i])) + dgam_qk;

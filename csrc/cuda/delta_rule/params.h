@@ -3,7 +3,8 @@
 // files compile quickly.
 //
 // Layouts (all contiguous, C = 64 tokens per chunk, NC chunks in total, padded rows of a short chunk are zero):
-//   q, k   [BT, H, K]   v, o, d_o  [BT, HV, V]   g, beta, dg, dbeta  [BT, HV]  (BT = B * T flat tokens)
+//   q, k   [BT, H, K]   v, o, d_o  [BT, HV, V]   g, beta, dg, dbeta  [BT, HV]  (BT = B * T flat tokens; g, dg fp32,
+//   beta, dbeta in a dtype of their own)
 //   W      [NC, HV, C, K]      U     [NC, HV, C, V]     A (masked Q K^T o E)  [NC, HV, C, C]
 //   Tm, TmB [NC, HV, C, C]     (I + M)^-1 and (I + M)^-1 diag(beta)
 //   gam    [NC, HV, C] fp32    in-chunk cumulative log decay (padded rows repeat the last valid one)
@@ -53,7 +54,8 @@ struct Params {
   const void* k;
   const void* v;
   const float* g;
-  const float* beta;
+  const void* beta;     // beta_dtype (bf16, fp16 or fp32)
+  DType beta_dtype;
   const void* d_o;
 
   // intermediates
@@ -96,7 +98,8 @@ struct Params {
   void* dk;
   void* dv;
   float* dg;
-  float* dbeta;
+  void* dbeta;          // dbeta_dtype: beta's own dtype when the op layer allows it, else fp32
+  DType dbeta_dtype;
 };
 
 // Whether the state passes form each chunk's W and U themselves, from Tm diag(beta), K and V (they then read TmB and

@@ -68,8 +68,9 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
   float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
   auto fetch_gates = [&](int hv) {
     a0 = a1 = b0 = b1 = 0.f;
-    if (i0 < ci.len) { a0 = p.g[(ci.bos + i0) * p.HV + hv]; b0 = p.beta[(ci.bos + i0) * p.HV + hv]; }
-    if (i1 < ci.len) { a1 = p.g[(ci.bos + i1) * p.HV + hv]; b1 = p.beta[(ci.bos + i1) * p.HV + hv]; }
+    const int64_t t0 = (ci.bos + i0) * p.HV + hv, t1 = t0 + p.HV;
+    if (i0 < ci.len) { a0 = p.g[t0]; b0 = load_as_float(p.beta, p.beta_dtype, t0); }
+    if (i1 < ci.len) { a1 = p.g[t1]; b1 = load_as_float(p.beta, p.beta_dtype, t1); }
   };
   if (warp == 0) fetch_gates(hv0);
 
