@@ -158,3 +158,25 @@ def test_segments_deterministic():
 def test_segments_graph_replay_matches_eager():
     inp, d_o, d_ht, _ = _case("mixed_heads", torch.bfloat16)
     check_graph_replay(inp, d_o, d_ht, "auto")
+
+
+def test_segments_in_the_forward_only():
+    """The forward's warpgroup state pass runs two CTAs per SM, so it counts twice the slots of the backward's: a
+    batch whose (sequence x value head x 64 columns) CTAs fill between half and all of the SMs is cut into segments
+    in the forward (segments + fallback pass) but walked whole in the backward. Both against the float64 loop."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    HV = sms // 2  # V = 128: sms // 2 * 2 CTAs per sequence, in (sms / 2, sms]
+    H = HV // 2 if HV % 2 == 0 else HV
+    inp = make_inputs(1, 1100, H, HV, 128, 128, torch.bfloat16, seed=5)
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    d_o = torch.randn(1, 1100, HV, 128, generator=gen).to("cuda", torch.bfloat16)
+    d_ht = torch.randn(1, HV, 128, 128, generator=gen).to("cuda")
+    counts = _kernel_counts(lambda: run_ours(inp, d_o, d_ht, algorithm="auto"))
+    # forward: segments + fallback; backward: one state_fwd (states of every chunk) and one state_rev, whole
+    assert counts == {"state_fwd_kernel": 3, "state_rev_kernel": 1, "combine_kernel": 0}, counts
+    ours = run_ours(inp, d_o, d_ht, algorithm="auto")
+    ref = reference(inp, d_o, d_ht)
+    tol_o, tol_g = TOL[torch.bfloat16]
+    for k, r in ref.items():
+        e = rel_err(ours[k], r)
+        assert e <= (tol_o if k in ("o", "ht") else tol_g), f"{k}: relative error {e:.3e}"
