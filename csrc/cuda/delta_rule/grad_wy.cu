@@ -65,7 +65,8 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
   const int64_t HK = static_cast<int64_t>(p.H) * K;
 
   // RES: a head's resident tiles load in two groups, each issued as soon as the previous head is done with its
-  // buffers: dVn^T and V after that head's dTm and dV, Tm and dW after its dK.
+  // buffers: dVn^T and V after that head's dTm and dV, Tm and dW after its dK (fp32, which computes dV last, issues
+  // both after its dK; the streamed variant prefetches Tm only).
   auto head_ptrs = [&](int gi, const St*& dWg, const St*& dVnTg, const St*& vg) {
     const int hv = h * p.G + gi;
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
