@@ -5,6 +5,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _C  # noqa: F401  (loads the library that registers torch.ops.gated_delta)
+from .ops import default_scale
 
 __all__ = ["short_conv", "short_conv_update", "gated_rmsnorm", "decode_step"]
 
@@ -105,7 +106,7 @@ def decode_step(
     use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True, initial_state=state, output_final_state=True)`.
     Not differentiable."""
     if scale is None:
-        scale = q.shape[-1] ** -0.5
+        scale = default_scale(q)
     return torch.ops.gated_delta.decode_step(q, k, v, a, b, A_log, dt_bias, state, float(scale),
                                              bool(allow_neg_eigval))
 

@@ -22,6 +22,17 @@ def _check_python_args(scale, algorithm, chunk_size, output_final_state):
         raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
 
 
+def default_scale(q) -> float:
+    """K ** -0.5 for q of shape [B, T, H, K]: the default scale, with an error naming q where it has no such K."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor of shape [B, T, H, K], got {type(q).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [B, T, H, K] (4 dimensions), got {list(q.shape)}")
+    if q.shape[-1] < 1:
+        raise ValueError(f"q must have K >= 1 (its last dimension), got shape {list(q.shape)}")
+    return q.shape[-1] ** -0.5
+
+
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -90,11 +101,7 @@ def gated_delta_rule(
             cu_seqlens_cpu)
     _check_python_args(scale, algorithm, chunk_size, output_final_state)
     if scale is None:
-        if not isinstance(q, torch.Tensor):
-            raise TypeError(f"q must be a torch.Tensor of shape [B, T, H, K], got {type(q).__name__}")
-        if q.dim() != 4:
-            raise ValueError(f"q must have shape [B, T, H, K] (4 dimensions), got {list(q.shape)}")
-        scale = q.shape[-1] ** -0.5
+        scale = default_scale(q)
     if not isinstance(state_v_first, bool):
         raise TypeError(f"state_v_first must be a bool, got {type(state_v_first).__name__}")
     o, final_state = torch.ops.gated_delta.fwd(

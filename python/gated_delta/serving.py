@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from . import _C  # noqa: F401  (loads the library that registers torch.ops.gated_delta)
+from .ops import default_scale
 
 __all__ = ["decode_pool", "PAD_SLOT_ID"]
 
@@ -86,7 +87,7 @@ def decode_pool(
     state) stored back into the pool.
     """
     if scale is None:
-        scale = q.shape[-1] ** -0.5
+        scale = default_scale(q)
     for name, flag in (("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel), ("use_gate_in_kernel",
                        use_gate_in_kernel), ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
                        ("allow_neg_eigval", allow_neg_eigval), ("check_slots", check_slots)):
