@@ -26,6 +26,8 @@ def rel(a, b):
 
 BAD_CASES = {
     "q rank": (lambda a: a.update(q=a["q"][0]), "q must have shape [B, T, H, K]"),
+    # no K for the default scale K ** -0.5 (scale not given)
+    "q K = 0": (lambda a: a.update(q=a["q"][..., :0], k=a["k"][..., :0]), "q must have K >= 1"),
     "k shape": (lambda a: a.update(k=a["k"][:, :, :1]), "k must have the shape of q"),
     "v shape": (lambda a: a.update(v=a["v"][:, :5]), "v must have shape [B, T, HV, V]"),
     "HV not multiple": (lambda a: a.update(v=torch.randn(1, 9, 3, 6, dtype=torch.float64)),
