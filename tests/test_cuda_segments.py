@@ -100,16 +100,21 @@ def _case(name, dtype):
     return _REF[key]
 
 
-def _check(name, dtype):
-    inp, d_o, d_ht, ref = _case(name, dtype)
-    ours = run_ours(inp, d_o, d_ht, algorithm="auto")
+def _assert_close(label, ours, ref, dtype):
+    """Every output and gradient of `ours` finite and within the GPU tests' tolerance of the float64 `ref`."""
     tol_o, tol_g = TOL[dtype]
     errs = {k: rel_err(ours[k], r) for k, r in ref.items()}
-    print(f"\n{name} {dtype}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    print(f"\n{label} {dtype}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
     for k, e in errs.items():
         assert torch.isfinite(ours[k]).all(), k
         tol = tol_o if k in ("o", "ht") else tol_g
         assert e <= tol, f"{k}: relative error {e:.3e} > {tol:.1e} ({errs})"
+
+
+def _check(name, dtype):
+    inp, d_o, d_ht, ref = _case(name, dtype)
+    ours = run_ours(inp, d_o, d_ht, algorithm="auto")
+    _assert_close(name, ours, ref, dtype)
     return ours
 
 
@@ -174,9 +179,5 @@ def test_segments_in_the_forward_only():
     counts = _kernel_counts(lambda: run_ours(inp, d_o, d_ht, algorithm="auto"))
     # forward: segments + fallback; backward: one state_fwd (states of every chunk) and one state_rev, whole
     assert counts == {"state_fwd_kernel": 3, "state_rev_kernel": 1, "combine_kernel": 0}, counts
-    ours = run_ours(inp, d_o, d_ht, algorithm="auto")
-    ref = reference(inp, d_o, d_ht)
-    tol_o, tol_g = TOL[torch.bfloat16]
-    for k, r in ref.items():
-        e = rel_err(ours[k], r)
-        assert e <= (tol_o if k in ("o", "ht") else tol_g), f"{k}: relative error {e:.3e}"
+    _assert_close("forward-only segments", run_ours(inp, d_o, d_ht, algorithm="auto"), reference(inp, d_o, d_ht),
+                  torch.bfloat16)
