@@ -36,6 +36,18 @@ template <> __device__ __forceinline__ void st2<__half>(__half* p, float a, floa
 template <> __device__ __forceinline__ void st2<float>(float* p, float a, float b) {
   *reinterpret_cast<float2*>(p) = make_float2(a, b);
 }
+// store eight consecutive elements (p 16-byte aligned): one 16-byte store for 16-bit types, two for fp32
+template <class St> __device__ __forceinline__ void st8(St* p, const float (&x)[8]) {
+  if constexpr (sizeof(St) == 4) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(x[0], x[1], x[2], x[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(x[4], x[5], x[6], x[7]);
+  } else {
+    alignas(16) St v[8];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) st2<St>(v + 2 * t, x[2 * t], x[2 * t + 1]);
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
+  }
+}
 // two consecutive gradient elements at g + off: in the input dtype St, or in fp32 when f32 (Params::grad_f32)
 template <class St> __device__ __forceinline__ void st2_grad(void* g, int64_t off, float a, float b, bool f32) {
   if (f32) st2<float>(static_cast<float*>(g) + off, a, b);

@@ -139,20 +139,31 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
       if (lane == 0) p.lnorm[chv] = gam[C - 1] + pen;
     }
 
+    // Tf's blocks above the diagonal stay zero from one head to the next, except where the V tile covered them
+    if (hv == hv0 || p.W != nullptr) zero_inverse_upper(Tf, tid);
     {
-      float av[8][4];  // A in the accumulator layout, stored 16 bytes per lane
+      // M and A for the warp's 16 rows, two adjacent columns per step; M's blocks above the diagonal are never read
+      // (block_inverse), A's are zero
+      float av[8][4];
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
+      for (int hr = 0; hr < 2; ++hr) {
+        const int i = 16 * warp + g8 + 8 * hr;
+        const float gi = gam[i], bi = bet[i];
 #pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int i = 16 * warp + g8 + 8 * hr;
-#pragma unroll
-          for (int e1 = 0; e1 < 2; ++e1) {
-            const int j = 8 * nt + 2 * q + e1;
-            const float E = (i >= j) ? __expf(gam[i] - gam[j]) : 0.f;
-            Mf[i * LDF + j] = (i > j) ? bet[i] * kk[nt][2 * hr + e1] * E : 0.f;
-            av[nt][2 * hr + e1] = qk[nt][2 * hr + e1] * E;
+        for (int nt = 0; nt < 8; ++nt) {
+          float* a = av[nt] + 2 * hr;
+          if (8 * nt > 16 * warp + 15) {  // (warp-uniform)
+            a[0] = a[1] = 0.f;
+            continue;
           }
+          const int j = 8 * nt + 2 * q;
+          const float2 gj = *reinterpret_cast<const float2*>(gam + j);
+          const float E0 = i >= j ? __expf(gi - gj.x) : 0.f;
+          const float E1 = i > j ? __expf(gi - gj.y) : 0.f;
+          *reinterpret_cast<float2*>(Mf + i * LDF + j) =
+              make_float2(i > j ? bi * kk[nt][2 * hr] * E0 : 0.f, i > j + 1 ? bi * kk[nt][2 * hr + 1] * E1 : 0.f);
+          a[0] = qk[nt][2 * hr] * E0;
+          a[1] = qk[nt][2 * hr + 1] * E1;
         }
       }
       store_frag_rows<St, 8>(static_cast<St*>(p.A) + (chv * C + 16 * warp) * C, C, av, g8, q);
@@ -160,21 +171,33 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
     __syncthreads();
     block_inverse(Mf, Tf, Pf, tid);
 
-    // Tm diag(beta) and Tm diag(beta e^gam) as operand tiles (where Q was)
+    // Tm diag(beta) (and Tm) to memory, and for W and U Tm diag(beta) and Tm diag(beta e^gam) as operand tiles
+    // (where Q was): eight columns, 16 bytes, per thread and step
     St* TmB = R1;
     St* TmBG = R1 + C * LDC;
     St* Tmg = p.Tm != nullptr ? static_cast<St*>(p.Tm) + chv * C * C : nullptr;
     St* TmBg = p.TmB != nullptr ? static_cast<St*>(p.TmB) + chv * C * C : nullptr;
-    for (int e = tid; e < C * C / 2; e += 128) {  // two consecutive columns per step
-      const int i = e / (C / 2), j = 2 * (e % (C / 2));
-      const float2 t = *reinterpret_cast<const float2*>(Tf + i * LDF + j);
-      const float t0 = t.x, t1 = t.y;
+#pragma unroll 2
+    for (int e = tid; e < C * C / 8; e += 128) {
+      const int i = e >> 3, j = 8 * (e & 7);
+      float t[8], tb[8];
+      *reinterpret_cast<float4*>(t) = *reinterpret_cast<const float4*>(Tf + i * LDF + j);
+      *reinterpret_cast<float4*>(t + 4) = *reinterpret_cast<const float4*>(Tf + i * LDF + j + 4);
+      *reinterpret_cast<float4*>(tb) = *reinterpret_cast<const float4*>(bet + j);
+      *reinterpret_cast<float4*>(tb + 4) = *reinterpret_cast<const float4*>(bet + j + 4);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) tb[u] *= t[u];
+      if (Tmg != nullptr) st8<St>(Tmg + i * C + j, t);
+      if (TmBg != nullptr) st8<St>(TmBg + i * C + j, tb);
       if (p.W != nullptr) {
-        st2<St>(TmB + i * LDC + j, t0 * bet[j], t1 * bet[j + 1]);
-        st2<St>(TmBG + i * LDC + j, t0 * beg[j], t1 * beg[j + 1]);
+        st8<St>(TmB + i * LDC + j, tb);
+        float tg[8];
+        *reinterpret_cast<float4*>(tg) = *reinterpret_cast<const float4*>(beg + j);
+        *reinterpret_cast<float4*>(tg + 4) = *reinterpret_cast<const float4*>(beg + j + 4);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) tg[u] *= t[u];
+        st8<St>(TmBG + i * LDC + j, tg);
       }
-      if (Tmg != nullptr) st2<St>(Tmg + i * C + j, t0, t1);
-      if (TmBg != nullptr) st2<St>(TmBg + i * C + j, t0 * bet[j], t1 * bet[j + 1]);
     }
     if (tid < C) p.gam[chv * C + tid] = gam[tid];
     __syncthreads();

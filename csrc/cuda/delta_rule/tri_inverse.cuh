@@ -16,14 +16,24 @@ constexpr int kLdF = C + 4;
 // Diagonal 16 x 16 blocks by forward substitution (one column per thread), then two merge levels on tensor cores
 // in split bf16x3 (about fp32 accuracy):  [[A, 0], [C, B]]^-1 = [[A^-1, 0], [-B^-1 C A^-1, B^-1]]
 // (16 -> 32 for the two diagonal 32-blocks, then 32 -> 64). Result in Tf (ld kLdF); Pf: kInvScratch floats.
+// Reads M's lower 16 x 16 blocks only (the diagonal ones below their diagonal). Tf's six blocks above the diagonal
+// blocks must hold zeros (zero_inverse_upper): no step writes them, so a caller that inverts into the same Tf
+// again zeros them once.
 constexpr int kInvScratch = 32 * 33;
+
+// Zeros the six 16 x 16 blocks of Tf above its diagonal blocks: 384 float4 stores, 3 per thread.
+__device__ __forceinline__ void zero_inverse_upper(float* Tf, int tid) {
+#pragma unroll
+  for (int e = tid; e < 6 * 64; e += 128) {
+    const int blk = e >> 6, bi = blk < 3 ? 0 : (blk < 5 ? 1 : 2), bj = blk + 1 - bi * (5 - bi) / 2;
+    const int r = (e >> 2) & 15, c4 = e & 3;
+    *reinterpret_cast<float4*>(Tf + (16 * bi + r) * kLdF + 16 * bj + 4 * c4) = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
 __device__ __forceinline__ void block_inverse(const float* Mf, float* Tf, float* Pf, int tid) {
   constexpr int LD = kLdF;
   const int warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
-  for (int e = tid; e < C * C; e += 128) {
-    const int i = e >> 6, j = e & 63;
-    if ((i >> 4) < (j >> 4)) Tf[i * LD + j] = 0.f;
-  }
   if (tid < 64) {
     const int b = tid >> 4, col = tid & 15, o = 16 * b;
     float x[16];
