@@ -29,6 +29,9 @@ namespace {
 using cuda::Params;
 constexpr int kC = cuda::kChunk;
 
+// The storage types the kernels take (dispatch.cuh) for q, k, v and, read in place, beta.
+bool is_kernel_dtype(at::ScalarType st) { return st == at::kBFloat16 || st == at::kHalf || st == at::kFloat; }
+
 void check_cuda_limits(const CoreArgs& a) {
   const int64_t K = a.head_k(), V = a.head_v();
   // (the message is formatted with std::to_string: streaming integers into c10::str crashed in one toolchain mix)
@@ -37,7 +40,7 @@ void check_cuda_limits(const CoreArgs& a) {
                   std::to_string(cuda::max_head_dim()) + ", got K = " + std::to_string(K) + ", V = " +
                   std::to_string(V));
   const auto st = a.q.scalar_type();
-  TORCH_CHECK(st == at::kBFloat16 || st == at::kHalf || st == at::kFloat,
+  TORCH_CHECK(is_kernel_dtype(st),
               std::string("gated_delta CUDA kernels support bfloat16, float16 and float32 inputs, got ") +
                   c10::toString(st));
   TORCH_CHECK(a.seqlen() * std::max(a.num_qk_heads(), a.num_v_heads()) < (int64_t(1) << 31) &&
@@ -239,7 +242,7 @@ Inputs dense_inputs(const CoreArgs& a) {
   in.g = dense(a.g.to(at::kFloat));
   // beta is read in place in a 16-bit dtype or fp32 (load_as_float), any other float dtype as fp32
   const at::ScalarType bd = a.beta.scalar_type();
-  const bool beta_in_place = bd == at::kBFloat16 || bd == at::kHalf || bd == at::kFloat;
+  const bool beta_in_place = is_kernel_dtype(bd);
   in.beta = dense(beta_in_place ? a.beta : a.beta.to(at::kFloat));
   if (a.initial_state.defined()) in.h0 = dense(a.initial_state.to(at::kFloat));
   return in;

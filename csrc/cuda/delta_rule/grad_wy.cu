@@ -67,28 +67,33 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
   // RES: a head's resident tiles load in two groups, each issued as soon as the previous head is done with its
   // buffers: dVn^T and V after that head's dTm and dV, Tm and dW after its dK (fp32, which computes dV last, issues
   // both after its dK; the streamed variant prefetches Tm only).
-  auto head_ptrs = [&](int gi, const St*& dWg, const St*& dVnTg, const St*& vg) {
-    const int hv = h * p.G + gi;
-    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
-    dWg = static_cast<const St*>(p.dW) + chv * C * K;
-    dVnTg = static_cast<const St*>(p.dVnT) + chv * V * C;
-    vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * V;
+  // value head gi of the group: its index, its (chunk, head) index and where its dW, dVn^T and V tiles start
+  struct Head {
+    int hv;
+    int64_t chv;
+    const St *dW, *dVnT, *v;
+  };
+  auto head = [&](int gi) {
+    Head r;
+    r.hv = h * p.G + gi;
+    r.chv = static_cast<int64_t>(c) * p.HV + r.hv;
+    r.dW = static_cast<const St*>(p.dW) + r.chv * C * K;
+    r.dVnT = static_cast<const St*>(p.dVnT) + r.chv * V * C;
+    r.v = static_cast<const St*>(p.v) + (ci.bos * p.HV + r.hv) * V;
+    return r;
   };
   auto issue_tm_dw = [&](int gi) {
-    const St *dWg, *dVnTg, *vg;
-    head_ptrs(gi, dWg, dVnTg, vg);
-    const int64_t chv = static_cast<int64_t>(c) * p.HV + h * p.G + gi;
-    load_tile<St, C, C, 128>(TmS, LDC, static_cast<const St*>(p.Tm) + chv * C * C, C, C, tid);
+    const Head hd = head(gi);
+    load_tile<St, C, C, 128>(TmS, LDC, static_cast<const St*>(p.Tm) + hd.chv * C * C, C, C, tid);
     if constexpr (RES)
-      for (int kb = 0; kb < K / 64; ++kb) load_tile<St, C, C, 128>(dWr + kb * TILE, LDC, dWg + kb * 64, K, C, tid);
+      for (int kb = 0; kb < K / 64; ++kb) load_tile<St, C, C, 128>(dWr + kb * TILE, LDC, hd.dW + kb * 64, K, C, tid);
     cp_async_commit();
   };
   auto issue_dvn_v = [&](int gi) {
-    const St *dWg, *dVnTg, *vg;
-    head_ptrs(gi, dWg, dVnTg, vg);
+    const Head hd = head(gi);
     for (int vb = 0; vb < NVB; ++vb) {
-      load_tile<St, C, C, 128>(dVr + vb * TILE, LDC, dVnTg + static_cast<int64_t>(vb) * 64 * C, C, C, tid);
-      load_tile<St, C, C, 128>(Vr + vb * TILE, LDC, vg + vb * 64, static_cast<int64_t>(p.HV) * V, ci.len, tid);
+      load_tile<St, C, C, 128>(dVr + vb * TILE, LDC, hd.dVnT + static_cast<int64_t>(vb) * 64 * C, C, C, tid);
+      load_tile<St, C, C, 128>(Vr + vb * TILE, LDC, hd.v + vb * 64, static_cast<int64_t>(p.HV) * V, ci.len, tid);
     }
     cp_async_commit();
   };
@@ -138,10 +143,10 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
 
 #pragma unroll 1
   for (int gi = 0; gi < p.G; ++gi) {
-    const int hv = h * p.G + gi;
-    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
-    const St *dWg, *dVnTg, *vg;
-    head_ptrs(gi, dWg, dVnTg, vg);
+    const Head hd = head(gi);
+    const int hv = hd.hv;
+    const int64_t chv = hd.chv;
+    const St *dWg = hd.dW, *dVnTg = hd.dVnT, *vg = hd.v;
     float dgam_qk = 0.f;  // grad_qk's partial gradients of gam (row tid), used at the end of this head
     if (tid < 64) {
       gam[tid] = p.gam[chv * C + tid];
