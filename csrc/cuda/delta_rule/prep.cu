@@ -8,6 +8,8 @@
 // chunk's transition norm, sum_t (g_t + log max(1, |1 - b_t |k_t|^2| + 2^-15 |b_t |k_t|^2|)) (warmup.cuh).
 // Mirrored kernel staging: its tile loads and per-head loops follow the same pattern as the other chunk-parallel
 // kernels (prep.cu, grad_qk.cu, grad_wy.cu), each written out so that its pipeline is tuned on its own.
+#include <type_traits>
+
 #include "../dispatch.cuh"
 #include "chunks.cuh"
 #include "mma.cuh"
@@ -142,31 +144,46 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
     // Tf's blocks above the diagonal stay zero from one head to the next, except where the V tile covered them
     if (hv == hv0 || p.W != nullptr) zero_inverse_upper(Tf, tid);
     {
-      // M and A for the warp's 16 rows, two adjacent columns per step; M's blocks above the diagonal are never read
-      // (block_inverse), A's are zero
-      float av[8][4];
+      // M and A for the warp's 16 rows, two adjacent columns per step, specialised per warp (WR: its row block) so
+      // that only the two column tiles that cross the diagonal test i >= j. M's blocks above the diagonal are never
+      // read (block_inverse); A's are zero.
+      auto terms = [&](auto wr) {
+        constexpr int WR = decltype(wr)::value;
+        float av[8][4];
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int i = 16 * warp + g8 + 8 * hr;
-        const float gi = gam[i], bi = bet[i];
+        for (int hr = 0; hr < 2; ++hr) {
+          const int i = 16 * WR + g8 + 8 * hr;
+          const float gi = gam[i], bi = bet[i];
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          float* a = av[nt] + 2 * hr;
-          if (8 * nt > 16 * warp + 15) {  // (warp-uniform)
-            a[0] = a[1] = 0.f;
-            continue;
+          for (int nt = 0; nt < 8; ++nt) {
+            float* a = av[nt] + 2 * hr;
+            if (nt > 2 * WR + 1) {
+              a[0] = a[1] = 0.f;
+              continue;
+            }
+            const int j = 8 * nt + 2 * q;
+            const float2 gj = *reinterpret_cast<const float2*>(gam + j);
+            float E0 = __expf(gi - gj.x), E1 = __expf(gi - gj.y);
+            float m0 = bi * kk[nt][2 * hr] * E0, m1 = bi * kk[nt][2 * hr + 1] * E1;
+            if (nt >= 2 * WR) {  // the diagonal's column tiles
+              E0 = i >= j ? E0 : 0.f;
+              E1 = i > j ? E1 : 0.f;
+              m0 = i > j ? m0 : 0.f;
+              m1 = i > j + 1 ? m1 : 0.f;
+            }
+            *reinterpret_cast<float2*>(Mf + i * LDF + j) = make_float2(m0, m1);
+            a[0] = qk[nt][2 * hr] * E0;
+            a[1] = qk[nt][2 * hr + 1] * E1;
           }
-          const int j = 8 * nt + 2 * q;
-          const float2 gj = *reinterpret_cast<const float2*>(gam + j);
-          const float E0 = i >= j ? __expf(gi - gj.x) : 0.f;
-          const float E1 = i > j ? __expf(gi - gj.y) : 0.f;
-          *reinterpret_cast<float2*>(Mf + i * LDF + j) =
-              make_float2(i > j ? bi * kk[nt][2 * hr] * E0 : 0.f, i > j + 1 ? bi * kk[nt][2 * hr + 1] * E1 : 0.f);
-          a[0] = qk[nt][2 * hr] * E0;
-          a[1] = qk[nt][2 * hr + 1] * E1;
         }
+        store_frag_rows<St, 8>(static_cast<St*>(p.A) + (chv * C + 16 * WR) * C, C, av, g8, q);
+      };
+      switch (warp) {
+        case 0: terms(std::integral_constant<int, 0>{}); break;
+        case 1: terms(std::integral_constant<int, 1>{}); break;
+        case 2: terms(std::integral_constant<int, 2>{}); break;
+        default: terms(std::integral_constant<int, 3>{});
       }
-      store_frag_rows<St, 8>(static_cast<St*>(p.A) + (chv * C + 16 * warp) * C, C, av, g8, q);
     }
     __syncthreads();
     block_inverse(Mf, Tf, Pf, tid);
