@@ -64,9 +64,6 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
   const ChunkInfo ci = chunk_info(p, c);
   const int64_t HK = static_cast<int64_t>(p.H) * K;
 
-  // RES: a head's resident tiles load in two groups, each issued as soon as the previous head is done with its
-  // buffers: dVn^T and V after that head's dTm and dV, Tm and dW after its dK (fp32, which computes dV last, issues
-  // both after its dK; the streamed variant prefetches Tm only).
   // value head gi of the group: its index, its (chunk, head) index and where its dW, dVn^T and V tiles start
   struct Head {
     int hv;
@@ -82,6 +79,9 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
     r.v = static_cast<const St*>(p.v) + (ci.bos * p.HV + r.hv) * V;
     return r;
   };
+  // RES: a head's resident tiles load in two groups, each issued as soon as the previous head is done with its
+  // buffers: dVn^T and V after that head's dTm and dV, Tm and dW after its dK (fp32, which computes dV last, issues
+  // both after its dK; the streamed variant prefetches Tm only).
   auto issue_tm_dw = [&](int gi) {
     const Head hd = head(gi);
     load_tile<St, C, C, 128>(TmS, LDC, static_cast<const St*>(p.Tm) + hd.chv * C * C, C, C, tid);

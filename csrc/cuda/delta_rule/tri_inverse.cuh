@@ -17,8 +17,8 @@ constexpr int kLdF = C + 4;
 // in split bf16x3 (about fp32 accuracy):  [[A, 0], [C, B]]^-1 = [[A^-1, 0], [-B^-1 C A^-1, B^-1]]
 // (16 -> 32 for the two diagonal 32-blocks, then 32 -> 64). Result in Tf (ld kLdF); Pf: kInvScratch floats.
 // Reads M's lower 16 x 16 blocks only (the diagonal ones below their diagonal). Tf's six blocks above the diagonal
-// blocks must hold zeros (zero_inverse_upper): no step writes them, so a caller that inverts into the same Tf
-// again zeros them once.
+// blocks must hold zeros (zero_inverse_upper): no step writes them, so a caller that inverts several times into
+// the same Tf zeros them once.
 constexpr int kInvScratch = 32 * 33;
 
 // Zeros the six 16 x 16 blocks of Tf above its diagonal blocks: 384 float4 stores, 3 per thread.
