@@ -15,8 +15,9 @@
 // (2 stages where they fit). For 16-bit inputs with K <= 128 and 64-column tiles (FwdCfg::WG) the four warps are one
 // warpgroup and the products are wgmma (wgmma.cuh), their B tiles loaded in the sw128 layout; otherwise mma.sync
 // (mma.cuh). The forward's warpgroup pass (mode 0) runs two warpgroups per CTA where V has an even number of
-// 64-column tiles: one per tile, sharing each chunk's K, Q, A and Tm diag(beta) tiles (read once per CTA). With Params::warm the CTA runs one segment of a sequence after a proven warm-up
-// (warmup.cuh): the warm-up chunks store nothing.
+// 64-column tiles: one per tile, sharing each chunk's K, Q, A and Tm diag(beta) tiles (read once per CTA). With
+// Params::warm the CTA runs one segment of a sequence after a proven warm-up (warmup.cuh): the warm-up chunks store
+// nothing.
 // Mirrored kernel staging: the shared-memory stages, the cp.async prefetch of the next chunk and the walk over a
 // unit's chunks are written out here and again in state_rev.cuh (which walks the chunks backwards), and the
 // products over the same tiles repeat within each kernel, so that each pass's pipeline is tuned on its own.
