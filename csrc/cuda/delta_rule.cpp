@@ -73,12 +73,13 @@ struct Layout {
   const int* unit_off = nullptr;
 };
 
-// ctas_per_sm: CTAs of the state kernels that share an SM
-Layout make_layout(const CoreArgs& a, int ctas_per_sm) {
+// tiles_per_sm: 64-column state tiles of the state kernels that share an SM (one per CTA, or two per CTA of two
+// warpgroups)
+Layout make_layout(const CoreArgs& a, int tiles_per_sm) {
   Layout L;
   const int64_t T = a.seqlen();
   const int64_t units_per_head = a.head_v() / 64;
-  const int sms = num_sms(a.q), slots = sms * ctas_per_sm;
+  const int sms = num_sms(a.q), slots = sms * tiles_per_sm;
   const int64_t lanes = a.num_v_heads() * units_per_head;  // CTAs of the state kernels per work unit
   // Auto: when one CTA per (sequence, value head, 64 columns) would fill fewer than half of the SMs' slots, cut the
   // sequences into segments run at once after a proven warm-up (warmup.cuh); the scan only when asked for;
@@ -268,7 +269,7 @@ Call begin_call(const CoreArgs& a, bool backward) {
   // from this layout (base_params), so the slots are counted as if it stayed 0; that shapes only the segments.
   // Which pass runs, and what the workspace holds for it, follow the real tile32 (plan_workspace).
   const bool fwd_wg = !backward && cuda::forms_wu(c.dt, static_cast<int>(a.head_k()), /*tile32=*/0, false);
-  c.L = make_layout(a, fwd_wg ? cuda::kFwdWgCtasPerSm : 1);
+  c.L = make_layout(a, fwd_wg ? cuda::kFwdWgTilesPerSm : 1);
   c.p = base_params(a, c.L);
   c.opts = c.in.q.options();
   c.fopts = c.opts.dtype(at::kFloat);

@@ -111,9 +111,10 @@ inline bool forms_wu(DType dtype, int K, int tile32, bool backward) {
   return !tile32 || (!backward && K == 64);
 }
 
-// CTAs of the forward's warpgroup pass (forms_wu, backward = false) that share an SM: it keeps one stage of tiles,
-// so that two CTAs overlap each other's loads and products (make_layout cuts sequences into segments for them).
-constexpr int kFwdWgCtasPerSm = 2;
+// 64-column state tiles of the forward's warpgroup pass (forms_wu, backward = false) that share an SM: two, as two
+// CTAs of one warpgroup or one CTA of two (state_fwd.cuh), so that loads and products of the two overlap
+// (make_layout cuts sequences into segments for them)
+constexpr int kFwdWgTilesPerSm = 2;
 
 // Launchers (one per kernel family), defined in the .cu files; the storage type St is selected by dtype.
 void launch_prep(const Params& p, DType dtype, void* stream);

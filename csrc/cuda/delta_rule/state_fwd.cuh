@@ -14,8 +14,10 @@
 // the pair then finishes O^T for half of the chunk's tokens). The next chunk's tiles are prefetched with cp.async
 // (2 stages where they fit). For 16-bit inputs with K <= 128 and 64-column tiles (FwdCfg::WG) the four warps are one
 // warpgroup and the products are wgmma (wgmma.cuh), their B tiles loaded in the sw128 layout; otherwise mma.sync
-// (mma.cuh). With Params::warm the CTA runs one segment of a sequence after a proven warm-up
-// (warmup.cuh): the warm-up chunks store nothing.
+// (mma.cuh). The forward's warpgroup pass (mode 0) runs two warpgroups per CTA where V has an even number of
+// 64-column tiles: one per tile, sharing each chunk's K, Q, A and Tm diag(beta) tiles (read once per CTA). With
+// Params::warm the CTA runs one segment of a sequence after a proven warm-up (warmup.cuh): the warm-up chunks store
+// nothing.
 // Mirrored kernel staging: the shared-memory stages, the cp.async prefetch of the next chunk and the walk over a
 // unit's chunks are written out here and again in state_rev.cuh (which walks the chunks backwards), and the
 // products over the same tiles repeat within each kernel, so that each pass's pipeline is tuned on its own.
@@ -31,14 +33,16 @@
 namespace gated_delta {
 namespace cuda {
 
-template <class St, int K, int MODE, int TW, int KSP>
+// WGS: state tiles (warpgroups) per CTA, side by side over V; two only for the forward's warpgroup pass (mode 0).
+template <class St, int K, int MODE, int TW, int KSP, int WGS = 1>
 struct FwdCfg {
-  static constexpr int NVR = TW / 16;  // warps over the rows of the state tile
-  static constexpr int KS = (K == 256) ? 2 : KSP, KW = K / KS, NT = 32 * NVR * KS;
+  static constexpr int NVR = TW / 16;  // warps over the rows of a state tile
+  static constexpr int KS = (K == 256) ? 2 : KSP, KW = K / KS, NT = 32 * NVR * KS * WGS;
   static constexpr bool F32 = sizeof(St) == 4;
   static constexpr bool WITH_Q = MODE == 0;
   static constexpr bool Q_ALIAS = WITH_Q && F32 && K == 256;  // Q reuses W's buffer after Vn is formed
-  static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD, LDT = TW + PAD;
+  // LDT: row stride of the V^T (U^T) and O^T staging tiles, which hold the CTA's WGS state tiles side by side
+  static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD, LDT = TW * WGS + PAD;
   static constexpr int NKT = 2 + ((WITH_Q && !Q_ALIAS) ? 1 : 0);  // K-wide tiles per stage: W, K, [Q]
   // warpgroup products (wgmma.cuh): 16-bit inputs, K <= 128, one warpgroup per 64-column tile, modes 0 and 1.
   // These passes form W and U themselves (forms_wu in params.h), Vn = Tm diag(beta) (V - diag(e^gam) K S), from
@@ -46,8 +50,11 @@ struct FwdCfg {
   // it, rows 64..127: one B operand for S^T [K | Q]^T; K is also the B operand of the state update), A and
   // Tm diag(beta) as sw128 tiles on 1024-byte boundaries, and V^T (in U^T's place), gam as below.
   static constexpr bool WG = HasWgmma<St>::value && K <= 128 && TW == 64 && KSP == 1 && MODE != 2;
-  // two stages where they fit; the forward's warpgroup pass keeps one, for kFwdWgCtasPerSm CTAs per SM
-  static constexpr int STAGES = (WG && MODE == 0) ? 1 : (!F32 && K <= 128) ? 2 : 1;
+  static_assert(WGS == 1 || (WG && MODE == 0), "two warpgroups per CTA: the forward's warpgroup pass only");
+  // two stages where they fit. The forward's warpgroup pass runs kFwdWgTilesPerSm state tiles per SM: as CTAs of
+  // one warpgroup with one stage each (they overlap each other's loads and products), or as one CTA of two
+  // warpgroups, which read each chunk's K, Q, A and Tm diag(beta) tiles once for both, with two stages
+  static constexpr int STAGES = (WG && MODE == 0) ? WGS : (!F32 && K <= 128) ? 2 : 1;
   static constexpr int NKQ = WITH_Q ? 2 : 1;                 // row blocks of 64 in the K (| Q) tile
   static constexpr size_t KQ_BYTES = (size_t)K * NKQ * 128;  // K / 64 blocks of 64 NKQ rows of 128 bytes
   static constexpr size_t AT_BYTES = (MODE == 0) ? 8192 : 0, TB_BYTES = 8192;
@@ -62,9 +69,9 @@ struct FwdCfg {
   static constexpr size_t bytes = STAGES * STAGE_BYTES + X_BYTES + ALIGN;
 };
 
-template <class St, int K, int MODE, int TW, int KSP>
-__global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd_kernel(const Params p) {
-  using F = FwdCfg<St, K, MODE, TW, KSP>;
+template <class St, int K, int MODE, int TW, int KSP, int WGS>
+__global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) state_fwd_kernel(const Params p) {
+  using F = FwdCfg<St, K, MODE, TW, KSP, WGS>;
   constexpr int KS = F::KS, KW = F::KW, NT = F::NT, LDK = F::LDK, LDC = F::LDC, LDT = F::LDT, NVR = F::NVR;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + (F::WG ? (1024 - (smem_u32(smem_raw) & 1023)) & 1023 : 0);
@@ -72,12 +79,13 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
   float* red = reinterpret_cast<float*>(xbuf);
   St* Os = reinterpret_cast<St*>(xbuf);
 
-  const int u = blockIdx.x, vt = blockIdx.y, hv = blockIdx.z, h = hv / p.G;
+  // the CTA's state tiles vt0 .. vt0 + WGS - 1; this warp's tile vt, at column cw of the staging tiles
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
-  const int vr = warp % NVR, ks = warp / NVR;
+  const int wg = warp / (NVR * KS), vr = warp % NVR, ks = (warp / NVR) % KS, cw = wg * TW;
+  const int u = blockIdx.x, vt0 = blockIdx.y * WGS, vt = vt0 + wg, hv = blockIdx.z, h = hv / p.G;
   const Unit un = get_unit(p, u);
   Run run;
-  if (!plan_run<false>(p, u, un, hv, vt, run)) return;
+  if (!plan_run<false>(p, u, un, hv, vt0, run)) return;
   const bool homog = (MODE == 2) && (vt * TW >= p.V);
   const int64_t HK = static_cast<int64_t>(p.H) * K;
 
@@ -114,8 +122,8 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
         load_tile_sw128<St, C, K, RT, NT>(kb, 64, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
       load_tile_sw128<St, C, C, C, NT>(reinterpret_cast<unsigned char*>(Ts), 0,
                                        static_cast<const St*>(p.TmB) + chv * C * C, C, C, tid);
-      load_tile<St, C, TW, NT>(Us, LDT, static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V + vt * TW,
-                               static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
+      load_tile<St, C, TW * WGS, NT>(Us, LDT, static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V + vt0 * TW,
+                                     static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
       if constexpr (MODE == 0)
         load_tile_sw128<St, C, C, C, NT>(reinterpret_cast<unsigned char*>(As), 0,
                                          static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
@@ -256,7 +264,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
       FragA<St> xa[4];
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        const FragA<St> va = lda_t<St>(Us, LDT, vr * 16, 16 * kk);
+        const FragA<St> va = lda_t<St>(Us, LDT, cw + vr * 16, 16 * kk);
         float x[2][4];
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
@@ -282,7 +290,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
       for (int kk = 0; kk < 4; ++kk) {
         float2 u[4] = {};
         if (!homog) {
-          const FragA<St> ua = lda_t<St>(Us, LDT, vr * 16, 16 * kk);
+          const FragA<St> ua = lda_t<St>(Us, LDT, cw + vr * 16, 16 * kk);
 #pragma unroll
           for (int i = 0; i < 4; ++i) u[i] = unpack2<St>(ua.x[i]);
         }
@@ -300,7 +308,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int j = 8 * nt + 2 * q + (e & 1), vloc = vr * 16 + g8 + 8 * (e >> 1);
-          const float uu = homog ? 0.f : to_f<St>(Us[j * LDT + vloc]);
+          const float uu = homog ? 0.f : to_f<St>(Us[j * LDT + cw + vloc]);
           vn[nt][e] = uu - acc_vn[nt][e];
         }
     }
@@ -322,11 +330,11 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP>::NT, 1) state_fwd
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int i = t0 + 8 * nt + 2 * q + (e & 1), vloc = vr * 16 + g8 + 8 * (e >> 1);
-          Os[i * LDT + vloc] = from_f<St>(acc_o[nt][e]);
+          Os[i * LDT + cw + vloc] = from_f<St>(acc_o[nt][e]);
         }
       __syncthreads();
-      constexpr int EPV = 16 / sizeof(St), VPR = TW / EPV;
-      St* og = static_cast<St*>(p.o) + (ci.bos * p.HV + hv) * p.V + vt * TW;
+      constexpr int EPV = 16 / sizeof(St), VPR = TW * WGS / EPV;
+      St* og = static_cast<St*>(p.o) + (ci.bos * p.HV + hv) * p.V + vt0 * TW;
       for (int idx = tid; idx < C * VPR; idx += NT) {
         const int r = idx / VPR, cv = idx % VPR;
         if (r < ci.len)
@@ -424,16 +432,17 @@ template <class St>
 void launch_state_fwd_t(const Params& p, int mode, void* stream) {
   {
     GD_HEADK_SWITCH(p.K, KC, [&] {
-      auto go = [&](auto mode_c, auto tw_c, auto ks_c) {
+      auto go = [&](auto mode_c, auto tw_c, auto ks_c, auto wgs_c) {
         constexpr int M = decltype(mode_c)::value, TW = decltype(tw_c)::value, KSP = decltype(ks_c)::value;
-        using F = FwdCfg<St, KC, M, TW, KSP>;
-        auto kern = state_fwd_kernel<St, KC, M, TW, KSP>;
+        constexpr int WGS = decltype(wgs_c)::value;
+        using F = FwdCfg<St, KC, M, TW, KSP, WGS>;
+        auto kern = state_fwd_kernel<St, KC, M, TW, KSP, WGS>;
         if constexpr (M != 2)
           TORCH_CHECK(F::WG == (p.TmB != nullptr), "gated_delta CUDA: the forward state pass ",
                       F::WG ? "forms W and U and needs" : "reads W and U and takes no", " Tm diag(beta)");
         GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
         const int tiles = (M == 2) ? (p.V + KC) / TW : p.V / TW;
-        kern<<<dim3(p.num_units, tiles, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
+        kern<<<dim3(p.num_units, tiles / WGS, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
         GD_CUDA_LAUNCH_CHECK();
       };
       using I0 = std::integral_constant<int, 0>;
@@ -441,17 +450,21 @@ void launch_state_fwd_t(const Params& p, int mode, void* stream) {
       using I2 = std::integral_constant<int, 2>;
       using T32 = std::integral_constant<int, 32>;
       using T64 = std::integral_constant<int, 64>;
-      if (mode == 2) go(I2(), T64(), I1());  // the scan's maps: enough CTAs already
+      if (mode == 2) go(I2(), T64(), I1(), I1());  // the scan's maps: enough CTAs already
       else if (mode == 1) {
-        if (p.tile32) go(I1(), T32(), I1());
-        else go(I1(), T64(), I1());
+        if (p.tile32) go(I1(), T32(), I1(), I1());
+        else go(I1(), T64(), I1(), I1());
       } else {
         // few CTAs (K = 128): 32-column tiles with K split over two warps (4 warps per CTA), the fastest measured
         // (benchmarks/RESULTS.md, "CUDA design measurements")
         if constexpr (KC == 128) {
-          if (p.tile32) return go(I0(), T32(), I2());
+          if (p.tile32) return go(I0(), T32(), I2(), I1());
         }
-        go(I0(), T64(), I1());
+        // warpgroup products: two state tiles per CTA where V holds an even number of them
+        if constexpr (FwdCfg<St, KC, 0, 64, 1>::WG) {
+          if ((p.V / 64) % 2 == 0) return go(I0(), T64(), I1(), I2());
+        }
+        go(I0(), T64(), I1(), I1());
       }
     });
   }
