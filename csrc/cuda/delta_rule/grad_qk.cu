@@ -6,7 +6,8 @@
 // (head, V tile) steps, the tiles of the next two steps in flight across head boundaries:
 //   dA = scale dO Vn^T (masked i >= j)      dQ = scale diag(e^gam) dO S^T + (dA o E) K
 //   dK1 = (dA o E)^T Q + diag(e^{gam_L - gam}) Vn dS'^T            dW = -dVn S^T
-//   and the partial gradient of gam (per block of K).
+//   and the partial gradient of gam (per block of K). For 16-bit inputs the products are warpgroup products
+//   (grad_qk_wg_kernel: one warpgroup for dA and dQ, one for dW and dK1); fp32 keeps mma.sync's split products.
 // grad_wy: one CTA (4 warps) per (chunk, q/k head), looping over the group (the next head's tiles load during this
 // head's products): reads Tm (written by the backward's prep), then back through W = Tm diag(beta e^gam) K and
 // U = Tm diag(beta) V with dU = dVn:
@@ -16,6 +17,7 @@
 #include "chunks.cuh"
 #include "mma.cuh"
 #include "tile_load.cuh"
+#include "wgmma.cuh"
 
 namespace gated_delta {
 namespace cuda {
@@ -290,13 +292,295 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// 16-bit inputs: the same work items and pipeline of steps, the products as warpgroup products (wgmma.cuh). Warpgroup
+// 0 holds dA and scale dO S^T and then dQ; warpgroup 1 holds dW and Vn dS'^T and then dK1, each as full 64 x 64
+// accumulators. B operands (Vn^T, hT, dhT, q, k) are sw128 tiles; A operands come from registers: dO and dVn^T by
+// ldmatrix from padded tiles, Vn^T by ldmatrix from its sw128 tile, dA o E from warpgroup 0's accumulator for dQ and
+// from shared memory (transposed) for dK1.
+template <class St>
+struct QkWgCfg {
+  static constexpr int STAGES = 3, NA = 3;
+  static constexpr int LDC = C + PadOf<St>::value;
+  static constexpr int PT = static_cast<int>(sizeof(St)) * C * LDC;  // bytes of a padded 64 x 64 tile (9 KB)
+  static constexpr int ST = C * 128;                                 // bytes of a sw128 64 x 64 tile (8 KB)
+  // a stage: Vn^T, hT, dhT (sw128), dO, dVn^T (padded); every offset below stays on a 1024-byte boundary
+  static constexpr int STAGE_BYTES = 3 * ST + 2 * PT;
+  static constexpr int QK_OFF = STAGES * STAGE_BYTES;  // q, k (sw128)
+  static constexpr int DAE_OFF = QK_OFF + 2 * ST;      // dA o E (padded)
+  static constexpr int A_OFF = DAE_OFF + PT;           // [NA] A tiles (padded)
+  static constexpr int F_OFF = A_OFF + NA * PT;        // gam slots, row and column sums
+  static_assert(STAGE_BYTES % 1024 == 0 && PT % 1024 == 0, "1024-byte boundaries of the sw128 tiles");
+  static constexpr size_t bytes = F_OFF + sizeof(float) * (NA * 64 + 64 + 64 + 4 * 64 + 8) + 1024;
+};
+
+template <class St>
+__global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
+  using F = QkWgCfg<St>;
+  constexpr int LDC = F::LDC, STAGES = F::STAGES, NA = F::NA, ST = F::ST, PT = F::PT;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  unsigned char* qs = smem + F::QK_OFF;
+  unsigned char* ksm = qs + ST;
+  St* dAEs = reinterpret_cast<St*>(smem + F::DAE_OFF);
+  St* Aslots = reinterpret_cast<St*>(smem + F::A_OFF);
+  float* gslots = reinterpret_cast<float*>(smem + F::F_OFF);  // [NA][64]
+  float* rowA = gslots + NA * 64;  // [64]
+  float* rowK = rowA + 64;         // [64]
+  float* colB = rowK + 64;         // [4][64]
+  float* sdots = colB + 256;       // [8]
+
+  const int kb = blockIdx.x % (p.K / 64), c = (blockIdx.x / (p.K / 64)) % p.NC, h = blockIdx.x / ((p.K / 64) * p.NC);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
+  const int wg = warp >> 2, rg = warp & 3;
+  const ChunkInfo ci = chunk_info(p, c);
+  const int K = p.K, V = p.V;
+  const int64_t HK = static_cast<int64_t>(p.H) * K;
+  const int nvt = V / 64, nsteps = p.G * nvt;
+
+  auto issue = [&](int s) {
+    const int gi = s / nvt, vt = s % nvt, hv = h * p.G + gi;
+    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+    unsigned char* b = smem + (s % STAGES) * F::STAGE_BYTES;
+    load_tile_sw128<St, C, C, C, 256>(b, 0, static_cast<const St*>(p.VnT) + (chv * V + vt * 64) * C, C, C, tid);
+    load_tile_sw128<St, C, C, C, 256>(b + ST, 0, static_cast<const St*>(p.hT) + (chv * V + vt * 64) * K + kb * 64,
+                                      K, C, tid);
+    load_tile_sw128<St, C, C, C, 256>(b + 2 * ST, 0,
+                                      static_cast<const St*>(p.dhT) + (chv * V + vt * 64) * K + kb * 64, K, C, tid);
+    load_tile<St, C, C, 256>(reinterpret_cast<St*>(b + 3 * ST), LDC,
+                             static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * V + vt * 64,
+                             static_cast<int64_t>(p.HV) * V, ci.len, tid);
+    load_tile<St, C, C, 256>(reinterpret_cast<St*>(b + 3 * ST + PT), LDC,
+                             static_cast<const St*>(p.dVnT) + (chv * V + vt * 64) * C, C, C, tid);
+    if (vt == 0) {
+      if (kb == 0)
+        load_tile<St, C, C, 256>(Aslots + (gi % NA) * C * LDC, LDC, static_cast<const St*>(p.A) + chv * C * C, C, C,
+                                 tid);
+      if (tid < 16) cp_async16(gslots + (gi % NA) * 64 + 4 * tid, p.gam + chv * C + 4 * tid, true);
+    }
+  };
+
+  load_tile_sw128<St, C, C, C, 256>(qs, 0, static_cast<const St*>(p.q) + ci.bos * HK + h * K + kb * 64, HK, ci.len,
+                                    tid);
+  load_tile_sw128<St, C, C, C, 256>(ksm, 0, static_cast<const St*>(p.k) + ci.bos * HK + h * K + kb * 64, HK, ci.len,
+                                    tid);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {  // (q and k ride with step 0)
+    if (s < nsteps) issue(s);
+    cp_async_commit();
+  }
+
+  // warpgroup 0: acc0 = dA, acc1 = dO S^T, run = dQ;  warpgroup 1: acc0 = dVn S^T, acc1 = Vn dS'^T, run = dK1
+  float acc0[8][4], acc1[8][4], run[8][4];
+  zero_acc(run);
+  float sdot = 0.f;
+
+#pragma unroll 1
+  for (int s = 0; s < nsteps; ++s) {
+    const int gi = s / nvt, vt = s % nvt, hv = h * p.G + gi;
+    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+    cp_async_wait<STAGES - 2>();  // step s has landed (one group per step after it)
+    fence_async_smem();           // its tiles are read by wgmma next
+    __syncthreads();              // ... for every thread; and every thread is done with step s - 1's stage
+    if (s + STAGES - 1 < nsteps) issue(s + STAGES - 1);
+    cp_async_commit();  // (an empty group past the last step keeps the count)
+    if (vt == 0) sdot = 0.f;
+    const unsigned char* b = smem + (s % STAGES) * F::STAGE_BYTES;
+    const unsigned char* VnTs = b;
+    const unsigned char* hTs = b + ST;
+    const unsigned char* dhTs = b + 2 * ST;
+    const St* dOs = reinterpret_cast<const St*>(b + 3 * ST);
+    const St* dVnTs = reinterpret_cast<const St*>(b + 3 * ST + PT);
+
+    // this V tile's products, accumulated over the head's V tiles (the first one overwrites). Both warpgroups run
+    // the same instructions on operands chosen by warpgroup (a branch around them would serialize the products):
+    // warpgroup 0: acc0 = dO Vn^T, acc1 = dO S^T;  warpgroup 1: acc0 = dVn S^T, acc1 = Vn dS'^T
+    const uint64_t d0 = sw128_desc(wg ? hTs : VnTs, ST), d1 = sw128_desc(wg ? dhTs : hTs, ST);
+    FragA<St> a0[4], a1[4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const FragA<St> a_do = lda<St>(dOs, LDC, 16 * rg, 16 * kk);
+      const FragA<St> a_dvn = lda_t<St>(dVnTs, LDC, 16 * rg, 16 * kk);
+      const FragA<St> a_vn = lda_t_sw128<St>(VnTs, 16 * rg, 16 * kk);
+      a0[kk] = wg ? a_dvn : a_do;
+      a1[kk] = wg ? a_vn : a_do;
+    }
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      wgmma_rs<St, 1>(acc0, a0[kk], d0 + kk * (2048 >> 4), vt > 0 || kk > 0);
+      wgmma_rs<St, 1>(acc1, a1[kk], d1 + kk * (2048 >> 4), vt > 0 || kk > 0);
+    }
+    wg_commit();
+    // sum(hT o dhT) meanwhile: the two sw128 tiles share one layout, so equal byte offsets hold equal positions
+    {
+      const uint4* x = reinterpret_cast<const uint4*>(hTs) + 2 * tid;
+      const uint4* y = reinterpret_cast<const uint4*>(dhTs) + 2 * tid;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const uint4 xv = x[j], yv = y[j];
+        const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w}, ys[4] = {yv.x, yv.y, yv.z, yv.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const float2 a = unpack2<St>(xs[t]), bb = unpack2<St>(ys[t]);
+          sdot += a.x * bb.x + a.y * bb.y;
+        }
+      }
+    }
+    wg_wait<0>();
+    wg_fence_acc(acc0);
+    wg_fence_acc(acc1);
+    if (vt + 1 < nvt) continue;
+
+    // the head's last V tile is in: its element-wise terms (element [nt][e] at row i = 16 rg + g8 + 8 (e >> 1),
+    // column 8 nt + 2q + (e & 1): j for dA, k in the block otherwise)
+    const St* As = Aslots + (gi % NA) * C * LDC;
+    const float* gam = gslots + (gi % NA) * 64;
+    const float gL = gam[C - 1];
+    if (wg == 0) {
+      float rA[2] = {0.f, 0.f}, cB[8][2];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        cB[nt][0] = cB[nt][1] = 0.f;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int i = 16 * rg + g8 + 8 * hr, col0 = 8 * nt + 2 * q;
+          const float gi_ = gam[i];
+          const float fq = p.scale * __expf(gi_);
+          const float2 qv = sw128_get2<St>(qs, i, col0);
+#pragma unroll
+          for (int e1 = 0; e1 < 2; ++e1) {
+            const int e = 2 * hr + e1, col = col0 + e1;
+            const bool low = i >= col;
+            const float dav = low ? p.scale * acc0[nt][e] : 0.f;
+            const float E = low ? __expf(gi_ - gam[col]) : 0.f;
+            if (kb == 0) {
+              const float t = dav * to_f<St>(As[i * LDC + col]);
+              rA[hr] += t;
+              cB[nt][e1] += t;
+            }
+            acc0[nt][e] = dav * E;  // dA o E
+            const float dqs = fq * acc1[nt][e];
+            rA[hr] += (e1 ? qv.y : qv.x) * dqs;
+            run[nt][e] += dqs;
+          }
+        }
+      }
+      store_frag_rows<St, 8>(dAEs + 16 * rg * LDC, LDC, acc0, g8, q);
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        rA[hr] += __shfl_xor_sync(0xffffffffu, rA[hr], 1);
+        rA[hr] += __shfl_xor_sync(0xffffffffu, rA[hr], 2);
+        if (q == 0) rowA[16 * rg + g8 + 8 * hr] = rA[hr];
+      }
+      if (kb == 0) {
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e1 = 0; e1 < 2; ++e1) {
+            float x = cB[nt][e1];
+            x += __shfl_xor_sync(0xffffffffu, x, 4);
+            x += __shfl_xor_sync(0xffffffffu, x, 8);
+            x += __shfl_xor_sync(0xffffffffu, x, 16);
+            if (g8 == 0) colB[rg * 64 + 8 * nt + 2 * q + e1] = x;
+          }
+      }
+    } else {
+      float rK[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int i = 16 * rg + g8 + 8 * hr;
+          const float fk = __expf(gL - gam[i]);
+          const float2 kv = sw128_get2<St>(ksm, i, 8 * nt + 2 * q);
+#pragma unroll
+          for (int e1 = 0; e1 < 2; ++e1) {
+            const int e = 2 * hr + e1;
+            const float dkt = fk * acc1[nt][e];
+            rK[hr] += (e1 ? kv.y : kv.x) * dkt;
+            run[nt][e] += dkt;
+            acc0[nt][e] = -acc0[nt][e];  // dW = -dVn S^T
+          }
+        }
+      store_frag_rows<St, 8>(static_cast<St*>(p.dW) + (chv * C + 16 * rg) * K + kb * 64, K, acc0, g8, q);
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        rK[hr] += __shfl_xor_sync(0xffffffffu, rK[hr], 1);
+        rK[hr] += __shfl_xor_sync(0xffffffffu, rK[hr], 2);
+        if (q == 0) rowK[16 * rg + g8 + 8 * hr] = rK[hr];
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sdot += __shfl_xor_sync(0xffffffffu, sdot, o);
+    if (lane == 0) sdots[warp] = sdot;
+    __syncthreads();
+
+    // dQ += (dA o E) K (warpgroup 0, dA o E from its accumulator) and dK1 += (dA o E)^T Q (warpgroup 1, from shared
+    // memory), K and Q N-major; as above, one instruction stream for both
+    {
+      FragA<St> ea[4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const FragA<St> mine = frag_a_from_c<St>(acc0[2 * kk], acc0[2 * kk + 1]);
+        const FragA<St> shared_t = lda_t<St>(dAEs, LDC, 16 * rg, 16 * kk);
+        ea[kk] = wg ? shared_t : mine;
+      }
+      const uint64_t d2 = sw128_desc(wg ? qs : ksm, ST);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(run, ea[kk], d2 + kk * (2048 >> 4), 1);
+      wg_commit();
+    }
+    if (tid < 64) {
+      const int i = tid;
+      float v = rowA[i] - rowK[i];
+      if (kb == 0) v -= (colB[i] + colB[64 + i]) + (colB[128 + i] + colB[192 + i]);
+      if (warp == 1) {  // rows 32..63: the last row also takes sum(hT o dhT) and the sum of rowK, by warp sums
+        float kd = rowK[lane] + rowK[32 + lane];
+        float sd = lane < 8 ? sdots[lane] : 0.f;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          kd += __shfl_xor_sync(0xffffffffu, kd, o);
+          sd += __shfl_xor_sync(0xffffffffu, sd, o);
+        }
+        if (i == C - 1) v += __expf(gL) * sd + kd;
+      }
+      p.dgam1[((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hv) * C + i] = v;
+    }
+    wg_wait<0>();
+    wg_fence_acc(run);
+    // (the next writes of dAEs and the sums come after the next step's barrier)
+  }
+
+  // store dq (warpgroup 0: input dtype, or fp32 with grad_f32) and the first part of dk (warpgroup 1: fp32)
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int i = 16 * rg + g8 + 8 * hr;
+      if (i < ci.len) {
+        const int64_t off = (ci.bos + i) * HK + h * K + kb * 64 + 8 * nt + 2 * q;
+        if (wg == 0) st2_grad<St>(p.dq, off, run[nt][2 * hr], run[nt][2 * hr + 1], p.grad_f32);
+        else st2<float>(p.dk1 + off, run[nt][2 * hr], run[nt][2 * hr + 1]);
+      }
+    }
+}
+
 void launch_grad_qk(const Params& p, DType dtype, void* stream) {
   if (p.NC == 0) return;
   GD_DTYPE_SWITCH(dtype, St, [&] {
-    using F = QkCfg<St>;
-    auto kern = grad_qk_kernel<St>;
-    GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
-    kern<<<dim3(p.NC * p.H * (p.K / 64)), 256, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
+    if constexpr (HasWgmma<St>::value) {
+      using F = QkWgCfg<St>;
+      auto kern = grad_qk_wg_kernel<St>;
+      GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
+      kern<<<dim3(p.NC * p.H * (p.K / 64)), 256, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
+    } else {
+      using F = QkCfg<St>;
+      auto kern = grad_qk_kernel<St>;
+      GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
+      kern<<<dim3(p.NC * p.H * (p.K / 64)), 256, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
+    }
     GD_CUDA_LAUNCH_CHECK();
   });
 }

@@ -103,6 +103,21 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const FragA<St>& a, 
 #undef GD_WG_D64
 #undef GD_WG_F4
 
+// ---- reads of a sw128 tile of one 64-column block (16-bit) by ordinary shared-memory loads ----
+// byte offset of element (r, c), c even: the pair (c, c + 1) shares one 4-byte word
+__device__ __forceinline__ int sw128_off(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7)) << 4) | ((c & 7) * 2)); }
+template <class St> __device__ __forceinline__ float2 sw128_get2(const unsigned char* s, int r, int c) {
+  return unpack2<St>(*reinterpret_cast<const uint32_t*>(s + sw128_off(r, c)));
+}
+// lda_t of such a tile: A[m][k] = tile[k][m], rows m0.., contraction k0.. (ldmatrix.trans at the swizzled rows)
+template <class St> __device__ __forceinline__ FragA<St> lda_t_sw128(const unsigned char* s, int m0, int k0) {
+  static_assert(sizeof(St) == 2, "sw128 tiles hold 16-bit operands");
+  FragA<St> a;
+  const int lane = threadIdx.x & 31, mi = lane >> 3, r = k0 + (lane & 7) + (mi >> 1) * 8;
+  ldsm_x4_t(a.x, s + sw128_off(r, m0 + (mi & 1) * 8));
+  return a;
+}
+
 // ---- loads ----
 // Copies a ROWS x COLS tile (row r from g + r * gstride, rows >= rows_valid zero-filled) into rows row0 .. of a
 // sw128 tile of RT rows per 64-column block, 16 bytes per cp.async. Each thread keeps one 16-byte column slot and
