@@ -12,6 +12,8 @@
 // U = Tm diag(beta) V with dU = dVn:
 //   dTm = dW (diag(beta e^gam) K)^T + dU (diag(beta) V)^T,  dM = -Tm^T dTm Tm^T (strictly lower)
 //   dK += diag(beta e^gam) Tm^T dW + R K + R^T K (R = dM o beta_i E),  dV = diag(beta) Tm^T dU,  dbeta, dg.
+// For 16-bit inputs and K <= 128 its products are warpgroup products (grad_wy_wg_kernel); fp32 and K = 256 keep
+// mma.sync.
 #include <c10/util/Exception.h>
 
 #include "../dispatch.cuh"
@@ -19,9 +21,23 @@
 #include "mma.cuh"
 #include "tile_load.cuh"
 #include "tri_inverse.cuh"  // kLdF
+#include "wgmma.cuh"
 
 namespace gated_delta {
 namespace cuda {
+
+// dg = reverse cumsum of dgam (rowv, 64 rows) over the chunk's valid rows, by one warp: lane l holds rows 62 - 2l
+// and 63 - 2l, a prefix scan over lanes sums the rows from the end
+__device__ __forceinline__ void dg_of_chunk(const Params& p, const ChunkInfo& ci, int hv, const float* rowv, int lane) {
+  const int r_lo = C - 2 - 2 * lane, r_hi = r_lo + 1;
+  const float x_lo = rowv[r_lo], x_hi = rowv[r_hi];
+  const float incl = warp_incl_scan(x_lo + x_hi);
+  float excl = __shfl_up_sync(0xffffffffu, incl, 1);  // the rows after r_hi
+  if (lane == 0) excl = 0.f;
+  const float s_hi = excl + x_hi, s_lo = s_hi + x_lo;
+  if (r_lo < ci.len) p.dg[(ci.bos + r_lo) * p.HV + hv] = s_lo;
+  if (r_hi < ci.len) p.dg[(ci.bos + r_hi) * p.HV + hv] = s_hi;
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 template <class St, int K>
@@ -367,18 +383,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
       rowv[i] = rowv[i] - ((colv[i] + colv[64 + i]) + (colv[128 + i] + colv[192 + i])) + dgam_qk;
     }
     __syncthreads();
-    if (warp == 0) {
-      // dg = reverse cumsum of dgam: lane l holds rows 62 - 2l and 63 - 2l, a prefix scan over lanes sums the rows
-      // from the end
-      const int r_lo = C - 2 - 2 * lane, r_hi = r_lo + 1;
-      const float x_lo = rowv[r_lo], x_hi = rowv[r_hi];
-      const float incl = warp_incl_scan(x_lo + x_hi);
-      float excl = __shfl_up_sync(0xffffffffu, incl, 1);  // the rows after r_hi
-      if (lane == 0) excl = 0.f;
-      const float s_hi = excl + x_hi, s_lo = s_hi + x_lo;
-      if (r_lo < ci.len) p.dg[(ci.bos + r_lo) * p.HV + hv] = s_lo;
-      if (r_hi < ci.len) p.dg[(ci.bos + r_hi) * p.HV + hv] = s_hi;
-    }
+    if (warp == 0) dg_of_chunk(p, ci, hv, rowv, lane);
     __syncthreads();
   }
   if constexpr (DKREG) {
@@ -396,25 +401,337 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// 16-bit inputs, K <= 128: the same work per CTA, its products as warpgroup products (the CTA's four warps are one
+// warpgroup, wgmma.cuh). The tiles read as B operands are sw128: K, Tm, dTm and the head's resident dW, dVn^T and V
+// blocks; R, read only as A, stays padded (in dTm's place). Tm^T's A fragments are loaded once per head and serve
+// dV, Tm^T dTm and Tm^T dW.
+template <class St, int K>
+struct WyWgCfg {
+  static constexpr int LDC = C + PadOf<St>::value, LDF = kLdF;
+  static constexpr int ST = C * 128;                                 // a sw128 64 x 64 tile (8 KB)
+  static constexpr int PT = static_cast<int>(sizeof(St)) * C * LDC;  // a padded one (9 KB)
+  static constexpr int KS_OFF = 0;                                   // K: K / 64 blocks
+  static constexpr int TM_OFF = KS_OFF + (K / 64) * ST;
+  static constexpr int DTM_OFF = TM_OFF + ST;            // dTm (sw128), then R (padded)
+  static constexpr int DW_OFF = DTM_OFF + PT;            // dW: K / 64 blocks
+  static constexpr int DV_OFF = DW_OFF + (K / 64) * ST;  // dVn^T: V / 64 blocks, then V: V / 64 blocks
+  static_assert(PT % 1024 == 0, "1024-byte boundaries of the sw128 tiles");
+  __host__ __device__ static int f_off(int V) { return DV_OFF + 2 * (V / 64) * ST; }
+  static size_t bytes(int V) { return f_off(V) + sizeof(float) * (C * LDF + 3 * 64 + 4 * 64) + 1024; }
+};
+
+template <class St, int K>
+__global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
+  static_assert(K <= 128 && sizeof(St) == 2, "warpgroup grad_wy: 16-bit inputs, K <= 128");
+  using F = WyWgCfg<St, K>;
+  constexpr int LDC = F::LDC, LDF = F::LDF, ST = F::ST, NKB = K / 64;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const int V = p.V, NVB = V / 64;
+  unsigned char* Ks = smem + F::KS_OFF;
+  unsigned char* TmS = smem + F::TM_OFF;
+  unsigned char* dTmS = smem + F::DTM_OFF;
+  St* RS = reinterpret_cast<St*>(dTmS);
+  unsigned char* dWr = smem + F::DW_OFF;
+  unsigned char* dVr = smem + F::DV_OFF;
+  unsigned char* Vr = dVr + NVB * ST;
+  float* KKf = reinterpret_cast<float*>(smem + F::f_off(V));
+  float* gam = KKf + C * LDF;
+  float* bet = gam + 64;
+  float* rowv = bet + 64;
+  float* colv = rowv + 64;  // [4][64]
+
+  const int c = blockIdx.x, h = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
+  const ChunkInfo ci = chunk_info(p, c);
+  const int64_t HK = static_cast<int64_t>(p.H) * K;
+
+  struct Head {
+    int hv;
+    int64_t chv;
+    const St *dW, *dVnT, *v;
+  };
+  auto head = [&](int gi) {
+    Head r;
+    r.hv = h * p.G + gi;
+    r.chv = static_cast<int64_t>(c) * p.HV + r.hv;
+    r.dW = static_cast<const St*>(p.dW) + r.chv * C * K;
+    r.dVnT = static_cast<const St*>(p.dVnT) + r.chv * V * C;
+    r.v = static_cast<const St*>(p.v) + (ci.bos * p.HV + r.hv) * V;
+    return r;
+  };
+  // a head's tiles load in two groups, each issued once the previous head is done with their buffers: dVn^T and V
+  // after its dTm and dV, Tm and dW after its dK
+  auto issue_tm_dw = [&](int gi) {
+    const Head hd = head(gi);
+    load_tile_sw128<St, C, C, C, 128>(TmS, 0, static_cast<const St*>(p.Tm) + hd.chv * C * C, C, C, tid);
+    for (int kb = 0; kb < NKB; ++kb) load_tile_sw128<St, C, C, C, 128>(dWr + kb * ST, 0, hd.dW + kb * 64, K, C, tid);
+    cp_async_commit();
+  };
+  auto issue_dvn_v = [&](int gi) {
+    const Head hd = head(gi);
+    for (int vb = 0; vb < NVB; ++vb) {
+      load_tile_sw128<St, C, C, C, 128>(dVr + vb * ST, 0, hd.dVnT + static_cast<int64_t>(vb) * 64 * C, C, C, tid);
+      load_tile_sw128<St, C, C, C, 128>(Vr + vb * ST, 0, hd.v + vb * 64, static_cast<int64_t>(p.HV) * V, ci.len, tid);
+    }
+    cp_async_commit();
+  };
+  load_tile_sw128<St, C, K, C, 128>(Ks, 0, static_cast<const St*>(p.k) + ci.bos * HK + h * K, HK, ci.len, tid);
+  cp_async_commit();
+  issue_tm_dw(0);
+  issue_dvn_v(0);
+  // grad_qk's part of dk for this thread's fragment positions (rows past the chunk's end stay zero)
+  float dka[NKB][8][4];
+#pragma unroll
+  for (int kb = 0; kb < NKB; ++kb)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int i = 16 * warp + g8 + 8 * hr;
+        float2 cur = make_float2(0.f, 0.f);
+        if (i < ci.len) cur = *reinterpret_cast<const float2*>(p.dk1 + (ci.bos + i) * HK + h * K + kb * 64 + 8 * nt + 2 * q);
+        dka[kb][nt][2 * hr] = cur.x;
+        dka[kb][nt][2 * hr + 1] = cur.y;
+      }
+  cp_async_wait<2>();  // K (the first head's groups may still be in flight)
+  fence_async_smem();
+  __syncthreads();
+  {  // K K^T (independent of the value head), K K-major
+    float kk[8][4];
+#pragma unroll
+    for (int kb = 0; kb < NKB; ++kb) {
+      FragA<St> a[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) a[t] = lda_sw128<St>(Ks + kb * ST, 16 * warp, 16 * t);
+      wg_product<St, 0>(kk, a, sw128_desc(Ks + kb * ST, 16), kb > 0);
+    }
+    wg_wait<0>();
+    wg_fence_acc(kk);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        KKf[(16 * warp + g8 + 8 * (e >> 1)) * LDF + 8 * nt + 2 * q + (e & 1)] = kk[nt][e];
+  }
+
+#pragma unroll 1
+  for (int gi = 0; gi < p.G; ++gi) {
+    const Head hd = head(gi);
+    const int hv = hd.hv;
+    float dgam_qk = 0.f;  // grad_qk's partial gradients of gam (row tid), used at the end of this head
+    if (tid < 64) {
+      gam[tid] = p.gam[hd.chv * C + tid];
+      const int64_t tok = (ci.bos + tid) * p.HV + hv;
+      bet[tid] = tid < ci.len ? load_as_float(p.beta, p.beta_dtype, tok) : 0.f;
+      for (int kb = 0; kb < NKB; ++kb)
+        dgam_qk += p.dgam1[((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hv) * C + tid];
+    }
+    cp_async_wait<0>();  // this head's tiles (issued before the loop or during the previous head)
+    fence_async_smem();
+    __syncthreads();
+
+    // dTm = (dW K^T) diag(beta e^gam) + (dU V^T) diag(beta), K and V K-major
+    float aW[8][4], aU[8][4];
+#pragma unroll
+    for (int kb = 0; kb < NKB; ++kb) {
+      FragA<St> a[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) a[t] = lda_sw128<St>(dWr + kb * ST, 16 * warp, 16 * t);
+      wg_product<St, 0>(aW, a, sw128_desc(Ks + kb * ST, 16), kb > 0);
+    }
+#pragma unroll 1
+    for (int vb = 0; vb < NVB; ++vb) {
+      FragA<St> a[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) a[t] = lda_t_sw128<St>(dVr + vb * ST, 16 * warp, 16 * t);
+      wg_product<St, 0>(aU, a, sw128_desc(Vr + vb * ST, 16), vb > 0);
+    }
+    wg_wait<0>();
+    wg_fence_acc(aW);
+    wg_fence_acc(aU);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int i = 16 * warp + g8 + 8 * hr, j = 8 * nt + 2 * q;
+        uint32_t w[1];
+        Pack<St>::put(w, w, 0, bet[j] * (aW[nt][2 * hr] * __expf(gam[j]) + aU[nt][2 * hr]),
+                      bet[j + 1] * (aW[nt][2 * hr + 1] * __expf(gam[j + 1]) + aU[nt][2 * hr + 1]));
+        *reinterpret_cast<uint32_t*>(dTmS + sw128_off(i, j)) = w[0];
+      }
+    fence_async_smem();  // dTm is read by wgmma after the barrier below
+    // Tm^T as A (rows i, contraction j), for dV, Tm^T dTm and Tm^T dW
+    FragA<St> at[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) at[t] = lda_t_sw128<St>(TmS, 16 * warp, 16 * t);
+
+    // dV = diag(beta) Tm^T dU per 64-column block (dU = dVn, from dVn^T K-major)
+    float ry[2] = {0.f, 0.f};
+#pragma unroll 1
+    for (int vb = 0; vb < NVB; ++vb) {
+      float Y[8][4];
+      wg_product<St, 0>(Y, at, sw128_desc(dVr + vb * ST, 16), false);
+      wg_wait<0>();
+      wg_fence_acc(Y);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int i = 16 * warp + g8 + 8 * hr;
+          const int vl = 8 * nt + 2 * q;
+          const float y0 = Y[nt][2 * hr], y1 = Y[nt][2 * hr + 1];
+          const float2 vv = sw128_get2<St>(Vr + vb * ST, i, vl);
+          ry[hr] += vv.x * y0 + vv.y * y1;
+          if (i < ci.len) {
+            const int64_t off = (ci.bos + i) * p.HV * V + static_cast<int64_t>(hv) * V + vb * 64 + vl;
+            st2_grad<St>(p.dv, off, bet[i] * y0, bet[i] * y1, p.grad_f32);
+          }
+        }
+    }
+    __syncthreads();
+    if (gi + 1 < p.G) issue_dvn_v(gi + 1);  // (dVn^T and V are done with)
+
+    // dM = -Tm^T dTm Tm^T, strictly lower (dTm N-major, then Tm K-major)
+    float P[8][4], dM[8][4];
+    wg_product<St, 1>(P, at, sw128_desc(dTmS, ST), false);
+    wg_wait<0>();
+    wg_fence_acc(P);
+    {
+      FragA<St> pa[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) pa[t] = frag_a_from_c<St>(P[2 * t], P[2 * t + 1], -1.f);
+      wg_product<St, 0>(dM, pa, sw128_desc(TmS, 16), false);
+      wg_wait<0>();
+      wg_fence_acc(dM);
+    }
+    __syncthreads();  // every warp is done with dTm: R takes its place
+    // R = dM o beta_i E, the beta and gam terms of M
+    float rbeta[2] = {0.f, 0.f}, rgam[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      float cm[2] = {0.f, 0.f};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hr = e >> 1, i = 16 * warp + g8 + 8 * hr, j = 8 * nt + 2 * q + (e & 1);
+        float r = 0.f;
+        if (i > j) {
+          const float E = __expf(gam[i] - gam[j]);
+          const float G = KKf[i * LDF + j] * E;
+          const float dm = dM[nt][e];
+          const float dmm = dm * bet[i] * G;
+          rbeta[hr] += dm * G;
+          rgam[hr] += dmm;
+          cm[e & 1] += dmm;
+          r = dm * bet[i] * E;
+        }
+        // R + R^T (R is strictly lower: each entry is one of the two, so the sum is exact): R K + R^T K as one product
+        if (i > j) RS[j * LDC + i] = from_f<St>(r);
+        if (i >= j) RS[i * LDC + j] = from_f<St>(r);
+      }
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1) {
+        float x = cm[e1];
+        x += __shfl_xor_sync(0xffffffffu, x, 4);
+        x += __shfl_xor_sync(0xffffffffu, x, 8);
+        x += __shfl_xor_sync(0xffffffffu, x, 16);
+        if (g8 == 0) colv[warp * 64 + 8 * nt + 2 * q + e1] = x;
+      }
+    }
+    __syncthreads();
+
+    // dK2 = diag(beta e^gam) Tm^T dW + (R + R^T) K (added into dk), per 64-column block; dW and K N-major
+    float rx[2] = {0.f, 0.f};
+    FragA<St> ar[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) ar[t] = lda<St>(RS, LDC, 16 * warp, 16 * t);
+#pragma unroll
+    for (int kb = 0; kb < NKB; ++kb) {
+      float X[8][4], RK[8][4];
+      wg_product<St, 1>(X, at, sw128_desc(dWr + kb * ST, ST), false);
+      wg_product<St, 1>(RK, ar, sw128_desc(Ks + kb * ST, ST), false);
+      wg_wait<0>();
+      wg_fence_acc(X);
+      wg_fence_acc(RK);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int i = 16 * warp + g8 + 8 * hr;
+          const float eg = __expf(gam[i]);
+          const float x0 = X[nt][2 * hr], x1 = X[nt][2 * hr + 1];
+          const float2 kv = sw128_get2<St>(Ks + kb * ST, i, 8 * nt + 2 * q);
+          rx[hr] += eg * (kv.x * x0 + kv.y * x1);
+          dka[kb][nt][2 * hr] += bet[i] * eg * x0 + RK[nt][2 * hr];
+          dka[kb][nt][2 * hr + 1] += bet[i] * eg * x1 + RK[nt][2 * hr + 1];
+        }
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float x = rx[hr], y = ry[hr], b = rbeta[hr], gm = rgam[hr];
+#pragma unroll
+      for (int o = 1; o <= 2; o <<= 1) {
+        x += __shfl_xor_sync(0xffffffffu, x, o);
+        y += __shfl_xor_sync(0xffffffffu, y, o);
+        b += __shfl_xor_sync(0xffffffffu, b, o);
+        gm += __shfl_xor_sync(0xffffffffu, gm, o);
+      }
+      if (q == 0) {
+        const int i = 16 * warp + g8 + 8 * hr;
+        rowv[i] = bet[i] * x + gm;
+        if (i < ci.len) store_as(p.dbeta, p.dbeta_dtype, (ci.bos + i) * p.HV + hv, x + y + b);
+      }
+    }
+    __syncthreads();
+    if (gi + 1 < p.G) issue_tm_dw(gi + 1);  // (Tm and dW are done with)
+    if (tid < 64) {
+      const int i = tid;
+      rowv[i] = rowv[i] - ((colv[i] + colv[64 + i]) + (colv[128 + i] + colv[192 + i])) + dgam_qk;
+    }
+    __syncthreads();
+    if (warp == 0) dg_of_chunk(p, ci, hv, rowv, lane);
+    __syncthreads();
+  }
+#pragma unroll
+  for (int kb = 0; kb < NKB; ++kb)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int i = 16 * warp + g8 + 8 * hr;
+        if (i >= ci.len) continue;
+        const int64_t off = (ci.bos + i) * HK + h * K + kb * 64 + 8 * nt + 2 * q;
+        st2_grad<St>(p.dk, off, dka[kb][nt][2 * hr], dka[kb][nt][2 * hr + 1], p.grad_f32);
+      }
+}
+
 void launch_grad_wy(const Params& p, DType dtype, void* stream) {
   if (p.NC == 0) return;
   GD_DTYPE_SWITCH(dtype, St, [&] {
     GD_HEADK_SWITCH(p.K, KC, [&] {
-      using F = WyCfg<St, KC>;
-      int dev = 0, optin = 0;
-      GD_CUDA_CHECK(cudaGetDevice(&dev));
-      GD_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-      const bool res = F::bytes(true, p.V) <= static_cast<size_t>(optin);
-      // 16-bit types always fit (K = V = 256 needs 181 KB); only fp32 has a streamed variant
-      void (*kern)(const Params) = grad_wy_kernel<St, KC, true>;
-      if constexpr (sizeof(St) == 4) {
-        if (!res) kern = grad_wy_kernel<St, KC, false>;
+      if constexpr (HasWgmma<St>::value && KC <= 128) {
+        using F = WyWgCfg<St, KC>;
+        auto kern = grad_wy_wg_kernel<St, KC>;
+        GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes(p.V)));
+        kern<<<dim3(p.NC, p.H), 128, F::bytes(p.V), static_cast<cudaStream_t>(stream)>>>(p);
       } else {
-        TORCH_CHECK(res, "gated_delta CUDA: grad_wy needs more shared memory than the device offers");
+        using F = WyCfg<St, KC>;
+        int dev = 0, optin = 0;
+        GD_CUDA_CHECK(cudaGetDevice(&dev));
+        GD_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+        const bool res = F::bytes(true, p.V) <= static_cast<size_t>(optin);
+        // 16-bit types (K = 256 here) always fit (K = V = 256 needs 181 KB); only fp32 has a streamed variant
+        void (*kern)(const Params) = grad_wy_kernel<St, KC, true>;
+        if constexpr (sizeof(St) == 4) {
+          if (!res) kern = grad_wy_kernel<St, KC, false>;
+        } else {
+          TORCH_CHECK(res, "gated_delta CUDA: grad_wy needs more shared memory than the device offers");
+        }
+        const size_t bytes = F::bytes(sizeof(St) == 4 ? res : true, p.V);
+        GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), bytes));
+        kern<<<dim3(p.NC, p.H), 128, bytes, static_cast<cudaStream_t>(stream)>>>(p);
       }
-      const size_t bytes = F::bytes(sizeof(St) == 4 ? res : true, p.V);
-      GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), bytes));
-      kern<<<dim3(p.NC, p.H), 128, bytes, static_cast<cudaStream_t>(stream)>>>(p);
       GD_CUDA_LAUNCH_CHECK();
     });
   });

@@ -103,19 +103,49 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const FragA<St>& a, 
 #undef GD_WG_D64
 #undef GD_WG_F4
 
-// ---- reads of a sw128 tile of one 64-column block (16-bit) by ordinary shared-memory loads ----
-// byte offset of element (r, c), c even: the pair (c, c + 1) shares one 4-byte word
+// ---- reads of a sw128 tile (16-bit) by ordinary shared-memory loads and ldmatrix ----
+// byte offset of element (r, c), c < 64, in a tile of one 64-column block; c even: the pair (c, c + 1) shares one
+// 4-byte word
 __device__ __forceinline__ int sw128_off(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7)) << 4) | ((c & 7) * 2)); }
-template <class St> __device__ __forceinline__ float2 sw128_get2(const unsigned char* s, int r, int c) {
-  return unpack2<St>(*reinterpret_cast<const uint32_t*>(s + sw128_off(r, c)));
+// ... in a tile of RT rows per 64-column block, any column
+template <int RT> __device__ __forceinline__ int sw128_off(int r, int c) {
+  return (c >> 6) * (RT * 128) + sw128_off(r, c & 63);
 }
-// lda_t of such a tile: A[m][k] = tile[k][m], rows m0.., contraction k0.. (ldmatrix.trans at the swizzled rows)
-template <class St> __device__ __forceinline__ FragA<St> lda_t_sw128(const unsigned char* s, int m0, int k0) {
+template <class St> __device__ __forceinline__ float2 sw128_get2(const unsigned char* s, int off) {
+  return unpack2<St>(*reinterpret_cast<const uint32_t*>(s + off));
+}
+template <class St> __device__ __forceinline__ float2 sw128_get2(const unsigned char* s, int r, int c) {
+  return sw128_get2<St>(s, sw128_off(r, c));
+}
+// lda of a tile of RT rows per block: A[m][k] = tile[m][k], rows m0.., contraction k0..
+template <class St, int RT = 64>
+__device__ __forceinline__ FragA<St> lda_sw128(const unsigned char* s, int m0, int k0) {
   static_assert(sizeof(St) == 2, "sw128 tiles hold 16-bit operands");
   FragA<St> a;
-  const int lane = threadIdx.x & 31, mi = lane >> 3, r = k0 + (lane & 7) + (mi >> 1) * 8;
-  ldsm_x4_t(a.x, s + sw128_off(r, m0 + (mi & 1) * 8));
+  const int lane = threadIdx.x & 31, mi = lane >> 3;
+  ldsm_x4(a.x, s + sw128_off<RT>(m0 + (lane & 7) + (mi & 1) * 8, k0 + (mi >> 1) * 8));
   return a;
+}
+// lda_t of such a tile: A[m][k] = tile[k][m], rows m0.., contraction k0.. (ldmatrix.trans at the swizzled rows)
+template <class St, int RT = 64>
+__device__ __forceinline__ FragA<St> lda_t_sw128(const unsigned char* s, int m0, int k0) {
+  static_assert(sizeof(St) == 2, "sw128 tiles hold 16-bit operands");
+  FragA<St> a;
+  const int lane = threadIdx.x & 31, mi = lane >> 3;
+  ldsm_x4_t(a.x, s + sw128_off<RT>(k0 + (lane & 7) + (mi >> 1) * 8, m0 + (mi & 1) * 8));
+  return a;
+}
+
+// ---- a 64 x 64 product over a contraction of 64 (four k16 steps): d (+)= A B, A's four fragments in registers ----
+// B's descriptor steps 16 contraction indices: 32 bytes inside a block (K-major, TB = 0) or 16 rows, 2048 bytes
+// (N-major, TB = 1). acc = 0: the first step overwrites d. Issued and committed as one group; the caller waits.
+template <class St, int TB>
+__device__ __forceinline__ void wg_product(float (&d)[8][4], const FragA<St> (&a)[4], uint64_t desc, bool acc) {
+  constexpr uint64_t step = TB ? (2048 >> 4) : (32 >> 4);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, TB>(d, a[kk], desc + kk * step, acc || kk > 0);
+  wg_commit();
 }
 
 // ---- loads ----
