@@ -133,12 +133,17 @@ def test_fallback_fp32(name):
     _check(name, torch.float32)
 
 
-def _kernel_counts(fn):
+def _profiled(fn):
+    """fn's result and how many launches of each state kernel it made."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
+        r = fn()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return {k: sum(k in n for n in names) for k in ("state_fwd_kernel", "state_rev_kernel", "combine_kernel")}
+    return r, {k: sum(k in n for n in names) for k in ("state_fwd_kernel", "state_rev_kernel", "combine_kernel")}
+
+
+def _kernel_counts(fn):
+    return _profiled(fn)[1]
 
 
 def test_auto_takes_segments_scan_and_chunk_do_not():
@@ -165,19 +170,23 @@ def test_segments_graph_replay_matches_eager():
     check_graph_replay(inp, d_o, d_ht, "auto")
 
 
-def test_segments_in_the_forward_only():
-    """The forward's warpgroup state pass runs two CTAs per SM, so it counts twice the slots of the backward's: a
-    batch whose (sequence x value head x 64 columns) CTAs fill between half and all of the SMs is cut into segments
-    in the forward (segments + fallback pass) but walked whole in the backward. Both against the float64 loop."""
+@pytest.mark.parametrize("V", [64, 128])
+def test_segment_slots_forward_and_backward(V):
+    """The warpgroup state passes count two 64-column tiles per SM: the forward's always, the backward's where V
+    holds an even number of tiles (one CTA of two warpgroups). A batch of one sequence with as many tiles as SMs is
+    cut into segments (segments + fallback pass) where its pass counts two slots per SM and walked whole where it
+    counts one: with V = 64 the backward walks it whole, with V = 128 both directions cut it. Against the float64
+    loop."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    HV = sms // 2  # V = 128: sms // 2 * 2 CTAs per sequence, in (sms / 2, sms]
+    HV = sms * 64 // V  # sms tiles per sequence
     H = HV // 2 if HV % 2 == 0 else HV
-    inp = make_inputs(1, 1100, H, HV, 128, 128, torch.bfloat16, seed=5)
+    inp = make_inputs(1, 1100, H, HV, 128, V, torch.bfloat16, seed=5)
     gen = torch.Generator(device="cpu").manual_seed(3)
-    d_o = torch.randn(1, 1100, HV, 128, generator=gen).to("cuda", torch.bfloat16)
-    d_ht = torch.randn(1, HV, 128, 128, generator=gen).to("cuda")
-    counts = _kernel_counts(lambda: run_ours(inp, d_o, d_ht, algorithm="auto"))
-    # forward: segments + fallback; backward: one state_fwd (states of every chunk) and one state_rev, whole
-    assert counts == {"state_fwd_kernel": 3, "state_rev_kernel": 1, "combine_kernel": 0}, counts
-    _assert_close("forward-only segments", run_ours(inp, d_o, d_ht, algorithm="auto"), reference(inp, d_o, d_ht),
-                  torch.bfloat16)
+    d_o = torch.randn(1, 1100, HV, V, generator=gen).to("cuda", torch.bfloat16)
+    d_ht = torch.randn(1, HV, 128, V, generator=gen).to("cuda")
+    out, counts = _profiled(lambda: run_ours(inp, d_o, d_ht, algorithm="auto"))
+    if V == 64:  # forward: segments + fallback; backward: one state_fwd (states of every chunk), one state_rev
+        assert counts == {"state_fwd_kernel": 3, "state_rev_kernel": 1, "combine_kernel": 0}, counts
+    else:  # both: segments + fallback
+        assert counts == {"state_fwd_kernel": 4, "state_rev_kernel": 2, "combine_kernel": 0}, counts
+    _assert_close(f"segment slots, V = {V}", out, reference(inp, d_o, d_ht), torch.bfloat16)

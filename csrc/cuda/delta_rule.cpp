@@ -265,11 +265,12 @@ Call begin_call(const CoreArgs& a, bool backward) {
   c.stream = at::cuda::getCurrentCUDAStream().stream();
   c.in = dense_inputs(a);
   c.dt = cuda::dtype_of(a.q.scalar_type(), "q");
-  // The forward's warpgroup pass takes two CTAs per SM. tile32 (which takes K = 128 off that pass) comes later,
-  // from this layout (base_params), so the slots are counted as if it stayed 0; that shapes only the segments.
-  // Which pass runs, and what the workspace holds for it, follow the real tile32 (plan_workspace).
-  const bool fwd_wg = !backward && cuda::forms_wu(c.dt, static_cast<int>(a.head_k()), /*tile32=*/0, false);
-  c.L = make_layout(a, fwd_wg ? cuda::kFwdWgTilesPerSm : 1);
+  // The warpgroup state passes run two 64-column tiles per SM (one for the backward's where V holds one tile).
+  // tile32 (which takes K = 128 off those passes) comes later, from this layout (base_params), so the slots are
+  // counted as if it stayed 0; that shapes only the segments. Which pass runs, and what the workspace holds for it,
+  // follow the real tile32 (plan_workspace).
+  c.L = make_layout(a, cuda::wg_tiles_per_sm(c.dt, static_cast<int>(a.head_k()), static_cast<int>(a.head_v()),
+                                             backward));
   c.p = base_params(a, c.L);
   c.opts = c.in.q.options();
   c.fopts = c.opts.dtype(at::kFloat);

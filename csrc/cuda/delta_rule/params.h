@@ -111,10 +111,15 @@ inline bool forms_wu(DType dtype, int K, int tile32, bool backward) {
   return !tile32 || (!backward && K == 64);
 }
 
-// 64-column state tiles of the forward's warpgroup pass (forms_wu, backward = false) that share an SM: two, as two
-// CTAs of one warpgroup or one CTA of two (state_fwd.cuh), so that loads and products of the two overlap
-// (make_layout cuts sequences into segments for them)
-constexpr int kFwdWgTilesPerSm = 2;
+// 64-column state tiles of the warpgroup state passes (forms_wu with tile32 = 0) that share an SM, as make_layout
+// counts them when it cuts sequences into segments. The forward's pass runs two: two CTAs of one warpgroup (one stage
+// each) or one CTA of two (state_fwd.cuh), so that loads and products of the two overlap. The backward's passes
+// (state_fwd mode 1, state_rev mode 0) run two where V holds an even number of tiles, as one CTA of two warpgroups;
+// otherwise one (their two stages leave room for one CTA of state_rev).
+inline int wg_tiles_per_sm(DType dtype, int K, int V, bool backward) {
+  if (!forms_wu(dtype, K, /*tile32=*/0, backward)) return 1;
+  return (!backward || (V / 64) % 2 == 0) ? 2 : 1;
+}
 
 // Launchers (one per kernel family), defined in the .cu files; the storage type St is selected by dtype.
 void launch_prep(const Params& p, DType dtype, void* stream);

@@ -14,7 +14,7 @@
 // the pair then finishes O^T for half of the chunk's tokens). The next chunk's tiles are prefetched with cp.async
 // (2 stages where they fit). For 16-bit inputs with K <= 128 and 64-column tiles (FwdCfg::WG) the four warps are one
 // warpgroup and the products are wgmma (wgmma.cuh), their B tiles loaded in the sw128 layout; otherwise mma.sync
-// (mma.cuh). The forward's warpgroup pass (mode 0) runs two warpgroups per CTA where V has an even number of
+// (mma.cuh). The warpgroup passes (modes 0 and 1) run two warpgroups per CTA where V has an even number of
 // 64-column tiles: one per tile, sharing each chunk's K, Q, A and Tm diag(beta) tiles (read once per CTA). With
 // Params::warm the CTA runs one segment of a sequence after a proven warm-up (warmup.cuh): the warm-up chunks store
 // nothing.
@@ -33,7 +33,7 @@
 namespace gated_delta {
 namespace cuda {
 
-// WGS: state tiles (warpgroups) per CTA, side by side over V; two only for the forward's warpgroup pass (mode 0).
+// WGS: state tiles (warpgroups) per CTA, side by side over V; two only for the warpgroup passes (modes 0 and 1).
 template <class St, int K, int MODE, int TW, int KSP, int WGS = 1>
 struct FwdCfg {
   static constexpr int NVR = TW / 16;  // warps over the rows of a state tile
@@ -50,10 +50,11 @@ struct FwdCfg {
   // it, rows 64..127: one B operand for S^T [K | Q]^T; K is also the B operand of the state update), A and
   // Tm diag(beta) as sw128 tiles on 1024-byte boundaries, and V^T (in U^T's place), gam as below.
   static constexpr bool WG = HasWgmma<St>::value && K <= 128 && TW == 64 && KSP == 1 && MODE != 2;
-  static_assert(WGS == 1 || (WG && MODE == 0), "two warpgroups per CTA: the forward's warpgroup pass only");
-  // two stages where they fit. The forward's warpgroup pass runs kFwdWgTilesPerSm state tiles per SM: as CTAs of
-  // one warpgroup with one stage each (they overlap each other's loads and products), or as one CTA of two
-  // warpgroups, which read each chunk's K, Q, A and Tm diag(beta) tiles once for both, with two stages
+  static_assert(WGS == 1 || WG, "two warpgroups per CTA: the warpgroup passes only");
+  // two stages where they fit. The forward's warpgroup pass runs two state tiles per SM (wg_tiles_per_sm): as CTAs
+  // of one warpgroup with one stage each (they overlap each other's loads and products), or as one CTA of two
+  // warpgroups, which read each chunk's K, Q, A and Tm diag(beta) tiles once for both, with two stages; the
+  // backward's (mode 1) keeps two stages either way
   static constexpr int STAGES = (WG && MODE == 0) ? WGS : (!F32 && K <= 128) ? 2 : 1;
   static constexpr int NKQ = WITH_Q ? 2 : 1;                 // row blocks of 64 in the K (| Q) tile
   static constexpr size_t KQ_BYTES = (size_t)K * NKQ * 128;  // K / 64 blocks of 64 NKQ rows of 128 bytes
@@ -452,8 +453,12 @@ void launch_state_fwd_t(const Params& p, int mode, void* stream) {
       using T64 = std::integral_constant<int, 64>;
       if (mode == 2) go(I2(), T64(), I1(), I1());  // the scan's maps: enough CTAs already
       else if (mode == 1) {
-        if (p.tile32) go(I1(), T32(), I1(), I1());
-        else go(I1(), T64(), I1(), I1());
+        if (p.tile32) return go(I1(), T32(), I1(), I1());
+        // warpgroup products: two state tiles per CTA where V holds an even number of them (wg_tiles_per_sm)
+        if constexpr (FwdCfg<St, KC, 1, 64, 1>::WG) {
+          if ((p.V / 64) % 2 == 0) return go(I1(), T64(), I1(), I2());
+        }
+        go(I1(), T64(), I1(), I1());
       } else {
         // few CTAs (K = 128): 32-column tiles with K split over two warps (4 warps per CTA), the fastest measured
         // (benchmarks/RESULTS.md, "CUDA design measurements")

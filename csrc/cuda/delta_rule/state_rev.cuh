@@ -9,7 +9,9 @@
 // chunks, after the segment's end, store nothing.
 // Mode 0 with 16-bit inputs, K <= 128 and 64-column tiles (RevCfg::WG) runs its products as wgmma (wgmma.cuh), as the
 // forward pass does, and forms dVn^T W as ((dVn^T Tm diag(beta)) diag(e^gam)) K from the preparation's
-// Tm diag(beta) instead of reading W (forms_wu in params.h). Mirrored kernel staging: the stages, prefetch and chunk walk mirror state_fwd.cuh's (see there).
+// Tm diag(beta) instead of reading W (forms_wu in params.h); where V has an even number of 64-column tiles it runs
+// two warpgroups per CTA, one per tile, sharing each chunk's K, Q, A and Tm diag(beta) tiles. Mirrored kernel
+// staging: the stages, prefetch and chunk walk mirror state_fwd.cuh's (see there).
 #pragma once
 
 #include "../dispatch.cuh"
@@ -22,18 +24,22 @@
 namespace gated_delta {
 namespace cuda {
 
-template <class St, int K, int TW, int MODE>
+// WGS: state tiles (warpgroups) per CTA, side by side over V; two only for the warpgroup pass (mode 0, RevCfg::WG).
+template <class St, int K, int TW, int MODE, int WGS = 1>
 struct RevCfg {
-  static constexpr int NVR = TW / 16;  // warps over the rows of the state tile
-  static constexpr int KS = (K == 256) ? 2 : 1, KW = K / KS, NT = 32 * NVR * KS;
+  static constexpr int NVR = TW / 16;  // warps over the rows of a state tile
+  static constexpr int KS = (K == 256) ? 2 : 1, KW = K / KS, NT = 32 * NVR * KS * WGS;
   static constexpr bool F32 = sizeof(St) == 4;
   static constexpr int STAGES = (!F32 && K <= 128) ? 2 : 1;
   static constexpr bool Q_ALIAS = F32 && K == 256;  // Q reuses W's buffer after the W product
-  static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD, LDT = TW + PAD;
+  // LDT: row stride of the dO tile, which holds the CTA's WGS state tiles' columns side by side
+  static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD, LDT = TW * WGS + PAD;
   static constexpr int NKT = Q_ALIAS ? 2 : 3;  // W, K, [Q]
   // warpgroup products (wgmma.cuh): 16-bit inputs, K <= 128, one warpgroup per 64-column tile, mode 0. A stage
   // then holds K, Q, A and Tm diag(beta) as sw128 tiles on 1024-byte boundaries, and dO, gam as below.
   static constexpr bool WG = HasWgmma<St>::value && K <= 128 && TW == 64 && MODE == 0;
+  // two warpgroups per CTA (one per tile) read each chunk's K, Q, A and Tm diag(beta) once for both tiles
+  static_assert(WGS == 1 || WG, "two warpgroups per CTA: the warpgroup pass only");
   static constexpr size_t KT_BYTES = (size_t)K * 128, AT_BYTES = 8192, DT_BYTES = sizeof(St) * C * LDT;
   static constexpr size_t STAGE_BYTES = WG ? (2 * KT_BYTES + 2 * AT_BYTES + DT_BYTES + 256 + 1023) / 1024 * 1024
                                            : sizeof(St) * (size_t)(NKT * C * LDK + C * LDC + C * LDT) + 256;
@@ -42,20 +48,21 @@ struct RevCfg {
   static constexpr size_t bytes = STAGES * STAGE_BYTES + RED_BYTES + ALIGN;
 };
 
-template <class St, int K, int MODE, int TW>
-__global__ void __launch_bounds__(RevCfg<St, K, TW, MODE>::NT, 1) state_rev_kernel(const Params p) {
-  using F = RevCfg<St, K, TW, MODE>;
+template <class St, int K, int MODE, int TW, int WGS>
+__global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev_kernel(const Params p) {
+  using F = RevCfg<St, K, TW, MODE, WGS>;
   constexpr int KS = F::KS, KW = F::KW, NT = F::NT, LDK = F::LDK, LDC = F::LDC, LDT = F::LDT, NVR = F::NVR;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + (F::WG ? (1024 - (smem_u32(smem_raw) & 1023)) & 1023 : 0);
   float* red = reinterpret_cast<float*>(smem + F::STAGES * F::STAGE_BYTES);
 
-  const int u = blockIdx.x, vt = blockIdx.y, hv = blockIdx.z, h = hv / p.G;
+  // the CTA's state tiles vt0 .. vt0 + WGS - 1; this warp's tile vt, at column cw of the dO tile
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
-  const int vr = warp % NVR, ks = warp / NVR;
+  const int wg = warp / (NVR * KS), vr = warp % NVR, ks = (warp / NVR) % KS, cw = wg * TW;
+  const int u = blockIdx.x, vt0 = blockIdx.y * WGS, vt = vt0 + wg, hv = blockIdx.z, h = hv / p.G;
   const Unit un = get_unit(p, u);
   Run run;
-  if (!plan_run<true>(p, u, un, hv, vt, run)) return;
+  if (!plan_run<true>(p, u, un, hv, vt0, run)) return;
   const bool homog = (MODE == 1) && (vt * TW >= p.V);
   const int64_t HK = static_cast<int64_t>(p.H) * K;
 
@@ -91,8 +98,8 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE>::NT, 1) state_rev_kern
       load_tile_sw128<St, C, K, C, NT>(sw(Qs), 0, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
       load_tile_sw128<St, C, C, C, NT>(sw(As), 0, static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
       load_tile_sw128<St, C, C, C, NT>(sw(Ts), 0, static_cast<const St*>(p.TmB) + chv * C * C, C, C, tid);
-      load_tile<St, C, TW, NT>(Ds, LDT, static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * p.V + vt * TW,
-                               static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
+      load_tile<St, C, TW * WGS, NT>(Ds, LDT, static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * p.V + vt0 * TW,
+                                     static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
       if (tid < 16) cp_async16(gs + 4 * tid, p.gam + chv * C + 4 * tid, true);
       return;
     }
@@ -143,7 +150,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE>::NT, 1) state_rev_kern
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk) sa[kk] = frag_a_from_c<St>(dS[2 * kk], dS[2 * kk + 1]);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) da[kk] = lda_t<St>(Ds, LDT, vr * 16, 16 * kk);
+      for (int kk = 0; kk < 4; ++kk) da[kk] = lda_t<St>(Ds, LDT, cw + vr * 16, 16 * kk);
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk)
@@ -224,7 +231,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE>::NT, 1) state_rev_kern
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         ya[kk] = frag_a_from_c<St>(dvn[2 * kk], dvn[2 * kk + 1]);
-        qa[kk] = lda_t_scaled<St>(Ds, LDT, vr * 16, 16 * kk, gs, p.scale);
+        qa[kk] = lda_t_scaled<St>(Ds, LDT, cw + vr * 16, 16 * kk, gs, p.scale);
       }
       wg_fence();
 #pragma unroll
@@ -291,23 +298,32 @@ template <class St>
 void launch_state_rev_t(const Params& p, int mode, void* stream) {
   {
     GD_HEADK_SWITCH(p.K, KC, [&] {
-      auto go = [&](auto mode_c, auto tw_c) {
-        constexpr int M = decltype(mode_c)::value, TW = decltype(tw_c)::value;
-        using F = RevCfg<St, KC, TW, M>;
-        auto kern = state_rev_kernel<St, KC, M, TW>;
+      auto go = [&](auto mode_c, auto tw_c, auto wgs_c) {
+        constexpr int M = decltype(mode_c)::value, TW = decltype(tw_c)::value, WGS = decltype(wgs_c)::value;
+        using F = RevCfg<St, KC, TW, M, WGS>;
+        auto kern = state_rev_kernel<St, KC, M, TW, WGS>;
         if constexpr (M == 0)
           TORCH_CHECK(F::WG == (p.TmB != nullptr), "gated_delta CUDA: the reverse state pass ",
                       F::WG ? "forms W and needs" : "reads W and takes no", " Tm diag(beta)");
         GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
         const int tiles = (M == 1) ? (p.V + KC) / TW : p.V / TW;
-        kern<<<dim3(p.num_units, tiles, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
+        kern<<<dim3(p.num_units, tiles / WGS, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
         GD_CUDA_LAUNCH_CHECK();
       };
+      using I0 = std::integral_constant<int, 0>;
+      using I1 = std::integral_constant<int, 1>;
+      using I2 = std::integral_constant<int, 2>;
       using T32 = std::integral_constant<int, 32>;
       using T64 = std::integral_constant<int, 64>;
-      if (mode == 1) go(std::integral_constant<int, 1>(), T64());  // the scan's maps: enough CTAs already
-      else if (p.tile32) go(std::integral_constant<int, 0>(), T32());
-      else go(std::integral_constant<int, 0>(), T64());
+      if (mode == 1) go(I1(), T64(), I1());  // the scan's maps: enough CTAs already
+      else if (p.tile32) go(I0(), T32(), I1());
+      else {
+        // warpgroup products: two state tiles per CTA where V holds an even number of them (bwd_wg_tiles_per_sm)
+        if constexpr (RevCfg<St, KC, 64, 0>::WG) {
+          if ((p.V / 64) % 2 == 0) return go(I0(), T64(), I2());
+        }
+        go(I0(), T64(), I1());
+      }
     });
   }
 }
