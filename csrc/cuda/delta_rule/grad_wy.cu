@@ -541,14 +541,18 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
       for (int t = 0; t < 4; ++t) a[t] = lda_sw128<St>(dWr + kb * ST, 16 * warp, 16 * t);
       wg_product<St, 0>(aW, a, sw128_desc(Ks + kb * ST, 16), kb > 0);
     }
+    wg_wait<0>();  // (no group in flight across the loop below)
+    wg_fence_acc(aW);
+    // (a rolled loop reloads the same A registers: each block's group is waited for before the next load)
 #pragma unroll 1
     for (int vb = 0; vb < NVB; ++vb) {
       FragA<St> a[4];
 #pragma unroll
       for (int t = 0; t < 4; ++t) a[t] = lda_t_sw128<St>(dVr + vb * ST, 16 * warp, 16 * t);
       wg_product<St, 0>(aU, a, sw128_desc(Vr + vb * ST, 16), vb > 0);
+      wg_wait<0>();
+      wg_fence_acc(aU);
     }
-    wg_wait<0>();
     wg_fence_acc(aW);
     wg_fence_acc(aU);
 #pragma unroll
