@@ -39,6 +39,97 @@ __device__ __forceinline__ void dg_of_chunk(const Params& p, const ChunkInfo& ci
   if (r_hi < ci.len) p.dg[(ci.bos + r_hi) * p.HV + hv] = s_hi;
 }
 
+// value head gi of the group of q/k head h in chunk c: its index, its (chunk, head) index and where its dW, dVn^T
+// and V tiles start
+template <class St>
+struct WyHead {
+  int hv;
+  int64_t chv;
+  const St *dW, *dVnT, *v;
+  __device__ __forceinline__ WyHead(const Params& p, const ChunkInfo& ci, int c, int h, int gi) {
+    hv = h * p.G + gi;
+    chv = static_cast<int64_t>(c) * p.HV + hv;
+    dW = static_cast<const St*>(p.dW) + chv * C * p.K;
+    dVnT = static_cast<const St*>(p.dVnT) + chv * p.V * C;
+    v = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V;
+  }
+};
+
+// A head's gam and beta rows into shared memory (threads 0..63); returns grad_qk's partial gradient of gam for row
+// tid (summed over its K blocks), used at the end of the head
+__device__ __forceinline__ float wy_head_rows(const Params& p, const ChunkInfo& ci, int c, int hv, int64_t chv, int tid,
+                                              float* gam, float* bet) {
+  float dgam_qk = 0.f;
+  if (tid < 64) {
+    gam[tid] = p.gam[chv * C + tid];
+    const int64_t tok = (ci.bos + tid) * p.HV + hv;
+    bet[tid] = tid < ci.len ? load_as_float(p.beta, p.beta_dtype, tok) : 0.f;
+    for (int kb = 0; kb < p.K / 64; ++kb)
+      dgam_qk += p.dgam1[((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hv) * C + tid];
+  }
+  return dgam_qk;
+}
+
+// R = dM o beta_i E (strictly lower) and the beta and gam terms of M, from this warp's fragment of dM (rows
+// 16 warp ..): put(nt, e, i, j, r) stores R (r = 0 on and above the diagonal); the column sums of the gam term go to
+// colv[warp][j]
+template <class Put>
+__device__ __forceinline__ void wy_r_terms(const float (&dM)[8][4], const float* gam, const float* bet, const float* KKf,
+                                           int warp, int g8, int q, float (&rbeta)[2], float (&rgam)[2], float* colv,
+                                           Put&& put) {
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    float cm[2] = {0.f, 0.f};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int hr = e >> 1, i = 16 * warp + g8 + 8 * hr, j = 8 * nt + 2 * q + (e & 1);
+      float r = 0.f;
+      if (i > j) {
+        const float E = __expf(gam[i] - gam[j]);
+        const float G = KKf[i * kLdF + j] * E;
+        const float dm = dM[nt][e];
+        const float dmm = dm * bet[i] * G;
+        rbeta[hr] += dm * G;
+        rgam[hr] += dmm;
+        cm[e & 1] += dmm;
+        r = dm * bet[i] * E;
+      }
+      put(nt, e, i, j, r);
+    }
+#pragma unroll
+    for (int e1 = 0; e1 < 2; ++e1) {
+      float x = cm[e1];
+      x += __shfl_xor_sync(0xffffffffu, x, 4);
+      x += __shfl_xor_sync(0xffffffffu, x, 8);
+      x += __shfl_xor_sync(0xffffffffu, x, 16);
+      if (g8 == 0) colv[warp * 64 + 8 * nt + 2 * q + e1] = x;
+    }
+  }
+}
+
+// A head's row terms, summed over the quad of each row: dbeta (stored) from the dk, dv and M parts, and the row part
+// of dgam (rowv)
+__device__ __forceinline__ void wy_row_terms(const Params& p, const ChunkInfo& ci, int hv, const float (&rx)[2],
+                                             const float (&ry)[2], const float (&rbeta)[2], const float (&rgam)[2],
+                                             const float* bet, float* rowv, int warp, int g8, int q) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float x = rx[hr], y = ry[hr], b = rbeta[hr], gm = rgam[hr];
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+      x += __shfl_xor_sync(0xffffffffu, x, o);
+      y += __shfl_xor_sync(0xffffffffu, y, o);
+      b += __shfl_xor_sync(0xffffffffu, b, o);
+      gm += __shfl_xor_sync(0xffffffffu, gm, o);
+    }
+    if (q == 0) {
+      const int i = 16 * warp + g8 + 8 * hr;
+      rowv[i] = bet[i] * x + gm;
+      if (i < ci.len) store_as(p.dbeta, p.dbeta_dtype, (ci.bos + i) * p.HV + hv, x + y + b);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 template <class St, int K>
 struct WyCfg {
@@ -80,33 +171,19 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
   const ChunkInfo ci = chunk_info(p, c);
   const int64_t HK = static_cast<int64_t>(p.H) * K;
 
-  // value head gi of the group: its index, its (chunk, head) index and where its dW, dVn^T and V tiles start
-  struct Head {
-    int hv;
-    int64_t chv;
-    const St *dW, *dVnT, *v;
-  };
-  auto head = [&](int gi) {
-    Head r;
-    r.hv = h * p.G + gi;
-    r.chv = static_cast<int64_t>(c) * p.HV + r.hv;
-    r.dW = static_cast<const St*>(p.dW) + r.chv * C * K;
-    r.dVnT = static_cast<const St*>(p.dVnT) + r.chv * V * C;
-    r.v = static_cast<const St*>(p.v) + (ci.bos * p.HV + r.hv) * V;
-    return r;
-  };
+  auto head = [&](int gi) { return WyHead<St>(p, ci, c, h, gi); };
   // RES: a head's resident tiles load in two groups, each issued as soon as the previous head is done with its
   // buffers: dVn^T and V after that head's dTm and dV, Tm and dW after its dK (fp32, which computes dV last, issues
   // both after its dK; the streamed variant prefetches Tm only).
   auto issue_tm_dw = [&](int gi) {
-    const Head hd = head(gi);
+    const WyHead<St> hd = head(gi);
     load_tile<St, C, C, 128>(TmS, LDC, static_cast<const St*>(p.Tm) + hd.chv * C * C, C, C, tid);
     if constexpr (RES)
       for (int kb = 0; kb < K / 64; ++kb) load_tile<St, C, C, 128>(dWr + kb * TILE, LDC, hd.dW + kb * 64, K, C, tid);
     cp_async_commit();
   };
   auto issue_dvn_v = [&](int gi) {
-    const Head hd = head(gi);
+    const WyHead<St> hd = head(gi);
     for (int vb = 0; vb < NVB; ++vb) {
       load_tile<St, C, C, 128>(dVr + vb * TILE, LDC, hd.dVnT + static_cast<int64_t>(vb) * 64 * C, C, C, tid);
       load_tile<St, C, C, 128>(Vr + vb * TILE, LDC, hd.v + vb * 64, static_cast<int64_t>(p.HV) * V, ci.len, tid);
@@ -159,17 +236,11 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
 
 #pragma unroll 1
   for (int gi = 0; gi < p.G; ++gi) {
-    const Head hd = head(gi);
+    const WyHead<St> hd = head(gi);
     const int hv = hd.hv;
     const int64_t chv = hd.chv;
     const St *dWg = hd.dW, *dVnTg = hd.dVnT, *vg = hd.v;
-    float dgam_qk = 0.f;  // grad_qk's partial gradients of gam (row tid), used at the end of this head
-    if (tid < 64) {
-      gam[tid] = p.gam[chv * C + tid];
-      const int64_t tok = (ci.bos + tid) * p.HV + hv;
-      bet[tid] = tid < ci.len ? load_as_float(p.beta, p.beta_dtype, tok) : 0.f;
-      for (int kb = 0; kb < K / 64; ++kb) dgam_qk += p.dgam1[((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hv) * C + tid];
-    }
+    const float dgam_qk = wy_head_rows(p, ci, c, hv, chv, tid, gam, bet);
     cp_async_wait<0>();  // this head's tiles (issued before the loop or during the previous head)
     __syncthreads();
     auto get_dW = [&](int kb) -> const St* {
@@ -272,35 +343,10 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
     // R = dM o beta_i E, the beta and gam terms of M
     float R[F32 ? 8 : 1][4];  // (fp32: R also stays in registers)
     float rbeta[2] = {0.f, 0.f}, rgam[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      float cm[2] = {0.f, 0.f};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hr = e >> 1, i = 16 * warp + g8 + 8 * hr, j = 8 * nt + 2 * q + (e & 1);
-        float r = 0.f;
-        if (i > j) {
-          const float E = __expf(gam[i] - gam[j]);
-          const float G = KKf[i * LDF + j] * E;
-          const float dm = dM[nt][e];
-          const float dmm = dm * bet[i] * G;
-          rbeta[hr] += dm * G;
-          rgam[hr] += dmm;
-          cm[e & 1] += dmm;
-          r = dm * bet[i] * E;
-        }
-        if constexpr (F32) R[nt][e] = r;
-        RS[i * LDC + j] = from_f<St>(r);
-      }
-#pragma unroll
-      for (int e1 = 0; e1 < 2; ++e1) {
-        float x = cm[e1];
-        x += __shfl_xor_sync(0xffffffffu, x, 4);
-        x += __shfl_xor_sync(0xffffffffu, x, 8);
-        x += __shfl_xor_sync(0xffffffffu, x, 16);
-        if (g8 == 0) colv[warp * 64 + 8 * nt + 2 * q + e1] = x;
-      }
-    }
+    wy_r_terms(dM, gam, bet, KKf, warp, g8, q, rbeta, rgam, colv, [&](int nt, int e, int i, int j, float r) {
+      if constexpr (F32) R[nt][e] = r;
+      RS[i * LDC + j] = from_f<St>(r);
+    });
     __syncthreads();
 
     // dK2 = diag(beta e^gam) Tm^T dW + R K + R^T K  (added into dk), per 64-column block
@@ -357,22 +403,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
         }
     }
     if constexpr (F32) dv_phase();
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      float x = rx[hr], y = ry[hr], b = rbeta[hr], gm = rgam[hr];
-#pragma unroll
-      for (int o = 1; o <= 2; o <<= 1) {
-        x += __shfl_xor_sync(0xffffffffu, x, o);
-        y += __shfl_xor_sync(0xffffffffu, y, o);
-        b += __shfl_xor_sync(0xffffffffu, b, o);
-        gm += __shfl_xor_sync(0xffffffffu, gm, o);
-      }
-      if (q == 0) {
-        const int i = 16 * warp + g8 + 8 * hr;
-        rowv[i] = bet[i] * x + gm;
-        if (i < ci.len) store_as(p.dbeta, p.dbeta_dtype, (ci.bos + i) * p.HV + hv, x + y + b);
-      }
-    }
+    wy_row_terms(p, ci, hv, rx, ry, rbeta, rgam, bet, rowv, warp, g8, q);
     __syncthreads();
     if (gi + 1 < p.G) {
       issue_tm_dw(gi + 1);  // (Tm and dW are done with)
@@ -447,30 +478,17 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
   const ChunkInfo ci = chunk_info(p, c);
   const int64_t HK = static_cast<int64_t>(p.H) * K;
 
-  struct Head {
-    int hv;
-    int64_t chv;
-    const St *dW, *dVnT, *v;
-  };
-  auto head = [&](int gi) {
-    Head r;
-    r.hv = h * p.G + gi;
-    r.chv = static_cast<int64_t>(c) * p.HV + r.hv;
-    r.dW = static_cast<const St*>(p.dW) + r.chv * C * K;
-    r.dVnT = static_cast<const St*>(p.dVnT) + r.chv * V * C;
-    r.v = static_cast<const St*>(p.v) + (ci.bos * p.HV + r.hv) * V;
-    return r;
-  };
+  auto head = [&](int gi) { return WyHead<St>(p, ci, c, h, gi); };
   // a head's tiles load in two groups, each issued once the previous head is done with their buffers: dVn^T and V
   // after its dTm and dV, Tm and dW after its dK
   auto issue_tm_dw = [&](int gi) {
-    const Head hd = head(gi);
+    const WyHead<St> hd = head(gi);
     load_tile_sw128<St, C, C, C, 128>(TmS, 0, static_cast<const St*>(p.Tm) + hd.chv * C * C, C, C, tid);
     for (int kb = 0; kb < NKB; ++kb) load_tile_sw128<St, C, C, C, 128>(dWr + kb * ST, 0, hd.dW + kb * 64, K, C, tid);
     cp_async_commit();
   };
   auto issue_dvn_v = [&](int gi) {
-    const Head hd = head(gi);
+    const WyHead<St> hd = head(gi);
     for (int vb = 0; vb < NVB; ++vb) {
       load_tile_sw128<St, C, C, C, 128>(dVr + vb * ST, 0, hd.dVnT + static_cast<int64_t>(vb) * 64 * C, C, C, tid);
       load_tile_sw128<St, C, C, C, 128>(Vr + vb * ST, 0, hd.v + vb * 64, static_cast<int64_t>(p.HV) * V, ci.len, tid);
@@ -518,16 +536,9 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
 
 #pragma unroll 1
   for (int gi = 0; gi < p.G; ++gi) {
-    const Head hd = head(gi);
+    const WyHead<St> hd = head(gi);
     const int hv = hd.hv;
-    float dgam_qk = 0.f;  // grad_qk's partial gradients of gam (row tid), used at the end of this head
-    if (tid < 64) {
-      gam[tid] = p.gam[hd.chv * C + tid];
-      const int64_t tok = (ci.bos + tid) * p.HV + hv;
-      bet[tid] = tid < ci.len ? load_as_float(p.beta, p.beta_dtype, tok) : 0.f;
-      for (int kb = 0; kb < NKB; ++kb)
-        dgam_qk += p.dgam1[((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hv) * C + tid];
-    }
+    const float dgam_qk = wy_head_rows(p, ci, c, hv, hd.chv, tid, gam, bet);
     cp_async_wait<0>();  // this head's tiles (issued before the loop or during the previous head)
     fence_async_smem();
     __syncthreads();
@@ -611,38 +622,13 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
       wg_fence_acc(dM);
     }
     __syncthreads();  // every warp is done with dTm: R takes its place
-    // R = dM o beta_i E, the beta and gam terms of M
+    // R = dM o beta_i E, the beta and gam terms of M. R + R^T is stored (R is strictly lower, so every entry is one
+    // of the two and the sum is exact): R K + R^T K is then one product
     float rbeta[2] = {0.f, 0.f}, rgam[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      float cm[2] = {0.f, 0.f};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hr = e >> 1, i = 16 * warp + g8 + 8 * hr, j = 8 * nt + 2 * q + (e & 1);
-        float r = 0.f;
-        if (i > j) {
-          const float E = __expf(gam[i] - gam[j]);
-          const float G = KKf[i * LDF + j] * E;
-          const float dm = dM[nt][e];
-          const float dmm = dm * bet[i] * G;
-          rbeta[hr] += dm * G;
-          rgam[hr] += dmm;
-          cm[e & 1] += dmm;
-          r = dm * bet[i] * E;
-        }
-        // R + R^T (R is strictly lower: each entry is one of the two, so the sum is exact): R K + R^T K as one product
-        if (i > j) RS[j * LDC + i] = from_f<St>(r);
-        if (i >= j) RS[i * LDC + j] = from_f<St>(r);
-      }
-#pragma unroll
-      for (int e1 = 0; e1 < 2; ++e1) {
-        float x = cm[e1];
-        x += __shfl_xor_sync(0xffffffffu, x, 4);
-        x += __shfl_xor_sync(0xffffffffu, x, 8);
-        x += __shfl_xor_sync(0xffffffffu, x, 16);
-        if (g8 == 0) colv[warp * 64 + 8 * nt + 2 * q + e1] = x;
-      }
-    }
+    wy_r_terms(dM, gam, bet, KKf, warp, g8, q, rbeta, rgam, colv, [&](int, int, int i, int j, float r) {
+      if (i > j) RS[j * LDC + i] = from_f<St>(r);
+      if (i >= j) RS[i * LDC + j] = from_f<St>(r);
+    });
     __syncthreads();
 
     // dK2 = diag(beta e^gam) Tm^T dW + (R + R^T) K (added into dk), per 64-column block; dW and K N-major
@@ -671,22 +657,7 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
           dka[kb][nt][2 * hr + 1] += bet[i] * eg * x1 + RK[nt][2 * hr + 1];
         }
     }
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      float x = rx[hr], y = ry[hr], b = rbeta[hr], gm = rgam[hr];
-#pragma unroll
-      for (int o = 1; o <= 2; o <<= 1) {
-        x += __shfl_xor_sync(0xffffffffu, x, o);
-        y += __shfl_xor_sync(0xffffffffu, y, o);
-        b += __shfl_xor_sync(0xffffffffu, b, o);
-        gm += __shfl_xor_sync(0xffffffffu, gm, o);
-      }
-      if (q == 0) {
-        const int i = 16 * warp + g8 + 8 * hr;
-        rowv[i] = bet[i] * x + gm;
-        if (i < ci.len) store_as(p.dbeta, p.dbeta_dtype, (ci.bos + i) * p.HV + hv, x + y + b);
-      }
-    }
+    wy_row_terms(p, ci, hv, rx, ry, rbeta, rgam, bet, rowv, warp, g8, q);
     __syncthreads();
     if (gi + 1 < p.G) issue_tm_dw(gi + 1);  // (Tm and dW are done with)
     if (tid < 64) {
