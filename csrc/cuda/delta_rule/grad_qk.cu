@@ -22,6 +22,30 @@
 namespace gated_delta {
 namespace cuda {
 
+// A head's partial gradient of gam for this CTA's K block, by threads 0..63 (row tid): the row sums of the q and k
+// terms (over HALVES column halves), less the column sums of the A term (first K block only, over four row blocks),
+// and on the last row the state terms: e^{gam_L} sum(hT o dhT) (the eight warps' sums) and the sum of the k terms
+template <int HALVES>
+__device__ __forceinline__ void qk_dgam_rows(const Params& p, int kb, int c, int hv, float gL, const float* rowA,
+                                             const float* rowK, const float* colB, const float* sdots, int tid) {
+  if (tid >= 64) return;
+  const int i = tid, warp = tid >> 5, lane = tid & 31;
+  auto row = [](const float* r, int x) { return HALVES == 2 ? r[x] + r[64 + x] : r[x]; };
+  float v = row(rowA, i) - row(rowK, i);
+  if (kb == 0) v -= (colB[i] + colB[64 + i]) + (colB[128 + i] + colB[192 + i]);
+  if (warp == 1) {  // rows 32..63: the last row takes the state terms, by warp sums
+    float kd = row(rowK, lane) + row(rowK, 32 + lane);
+    float sd = lane < 8 ? sdots[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      kd += __shfl_xor_sync(0xffffffffu, kd, o);
+      sd += __shfl_xor_sync(0xffffffffu, sd, o);
+    }
+    if (i == C - 1) v += __expf(gL) * sd + kd;
+  }
+  p.dgam1[((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hv) * C + i] = v;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 template <class St>
 struct QkCfg {
@@ -259,22 +283,7 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
         mma<St>(dK1[2 * np + 1], a2, b[1]);
       }
     }
-    if (tid < 64) {
-      const int i = tid;
-      float v = rowA[i] + rowA[64 + i] - (rowK[i] + rowK[64 + i]);
-      if (kb == 0) v -= (colB[i] + colB[64 + i]) + (colB[128 + i] + colB[192 + i]);
-      if (warp == 1) {  // rows 32..63: the last row also takes sum(hT o dhT) and the sum of rowK, by warp sums
-        float kd = (rowK[lane] + rowK[64 + lane]) + (rowK[32 + lane] + rowK[96 + lane]);
-        float sd = lane < 8 ? sdots[lane] : 0.f;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          kd += __shfl_xor_sync(0xffffffffu, kd, o);
-          sd += __shfl_xor_sync(0xffffffffu, sd, o);
-        }
-        if (i == C - 1) v += __expf(gL) * sd + kd;
-      }
-      p.dgam1[((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hv) * C + i] = v;
-    }
+    qk_dgam_rows<2>(p, kb, c, hv, gL, rowA, rowK, colB, sdots, tid);
     // (the next writes of dAEs and the row sums come after the next step's barrier)
   }
 
@@ -532,22 +541,7 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
       for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(run, ea[kk], d2 + kk * (2048 >> 4), 1);
       wg_commit();
     }
-    if (tid < 64) {
-      const int i = tid;
-      float v = rowA[i] - rowK[i];
-      if (kb == 0) v -= (colB[i] + colB[64 + i]) + (colB[128 + i] + colB[192 + i]);
-      if (warp == 1) {  // rows 32..63: the last row also takes sum(hT o dhT) and the sum of rowK, by warp sums
-        float kd = rowK[lane] + rowK[32 + lane];
-        float sd = lane < 8 ? sdots[lane] : 0.f;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          kd += __shfl_xor_sync(0xffffffffu, kd, o);
-          sd += __shfl_xor_sync(0xffffffffu, sd, o);
-        }
-        if (i == C - 1) v += __expf(gL) * sd + kd;
-      }
-      p.dgam1[((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hv) * C + i] = v;
-    }
+    qk_dgam_rows<1>(p, kb, c, hv, gL, rowA, rowK, colB, sdots, tid);
     wg_wait<0>();
     wg_fence_acc(run);
     // (the next writes of dAEs and the sums come after the next step's barrier)
@@ -567,22 +561,21 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
     }
 }
 
+// (a template, so that the kernel of the other branch is never named for this St)
+template <class St>
+void launch_grad_qk_t(const Params& p, void* stream) {
+  auto go = [&](auto kern, size_t bytes) {
+    GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), bytes));
+    kern<<<dim3(p.NC * p.H * (p.K / 64)), 256, bytes, static_cast<cudaStream_t>(stream)>>>(p);
+    GD_CUDA_LAUNCH_CHECK();
+  };
+  if constexpr (HasWgmma<St>::value) go(grad_qk_wg_kernel<St>, QkWgCfg<St>::bytes);
+  else go(grad_qk_kernel<St>, QkCfg<St>::bytes);
+}
+
 void launch_grad_qk(const Params& p, DType dtype, void* stream) {
   if (p.NC == 0) return;
-  GD_DTYPE_SWITCH(dtype, St, [&] {
-    if constexpr (HasWgmma<St>::value) {
-      using F = QkWgCfg<St>;
-      auto kern = grad_qk_wg_kernel<St>;
-      GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
-      kern<<<dim3(p.NC * p.H * (p.K / 64)), 256, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
-    } else {
-      using F = QkCfg<St>;
-      auto kern = grad_qk_kernel<St>;
-      GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
-      kern<<<dim3(p.NC * p.H * (p.K / 64)), 256, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
-    }
-    GD_CUDA_LAUNCH_CHECK();
-  });
+  GD_DTYPE_SWITCH(dtype, St, [&] { launch_grad_qk_t<St>(p, stream); });
 }
 
 }  // namespace cuda

@@ -130,6 +130,53 @@ __device__ __forceinline__ void wy_row_terms(const Params& p, const ChunkInfo& c
   }
 }
 
+// This thread's fragment positions of a CTA's rows of dk (rows 16 warp + g8 + 8 hr, columns 8 nt + 2q in block
+// kb), kept in registers over the value heads of the group (K <= 128): grad_qk's part read once (rows past the
+// chunk's end zero), the sum stored once
+template <int K>
+__device__ __forceinline__ void wy_dk_load(float (&dka)[K / 64][8][4], const Params& p, const ChunkInfo& ci, int h,
+                                           int warp, int g8, int q) {
+  constexpr int NKB = K / 64;
+  const int64_t HK = static_cast<int64_t>(p.H) * K;
+#pragma unroll
+  for (int kb = 0; kb < NKB; ++kb)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int i = 16 * warp + g8 + 8 * hr;
+        float2 cur = make_float2(0.f, 0.f);
+        if (i < ci.len)
+          cur = *reinterpret_cast<const float2*>(p.dk1 + (ci.bos + i) * HK + h * K + kb * 64 + 8 * nt + 2 * q);
+        dka[kb][nt][2 * hr] = cur.x;
+        dka[kb][nt][2 * hr + 1] = cur.y;
+      }
+}
+template <class St, int K>
+__device__ __forceinline__ void wy_dk_store(const float (&dka)[K / 64][8][4], const Params& p, const ChunkInfo& ci,
+                                            int h, int warp, int g8, int q) {
+  constexpr int NKB = K / 64;
+  const int64_t HK = static_cast<int64_t>(p.H) * K;
+#pragma unroll
+  for (int kb = 0; kb < NKB; ++kb)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int i = 16 * warp + g8 + 8 * hr;
+        if (i >= ci.len) continue;
+        const int64_t off = (ci.bos + i) * HK + h * K + kb * 64 + 8 * nt + 2 * q;
+        st2_grad<St>(p.dk, off, dka[kb][nt][2 * hr], dka[kb][nt][2 * hr + 1], p.grad_f32);
+      }
+}
+// K K^T (a warp's 16 rows of fragments) into the fp32 tile KKf
+__device__ __forceinline__ void wy_store_kk(float* KKf, const float (&kk)[8][4], int warp, int g8, int q) {
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) KKf[(16 * warp + g8 + 8 * (e >> 1)) * kLdF + 8 * nt + 2 * q + (e & 1)] = kk[nt][e];
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 template <class St, int K>
 struct WyCfg {
@@ -194,23 +241,9 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
   cp_async_commit();
   issue_tm_dw(0);  // (in flight during K K^T)
   if constexpr (RES) issue_dvn_v(0);
-  // grad_qk's part of dk for this thread's fragment positions (rows past the chunk's end stay zero), in flight
-  // during the first head's work
+  // grad_qk's part of dk for this thread's fragment positions, in flight during the first head's work
   float dka[DKREG ? K / 64 : 1][8][4];
-  if constexpr (DKREG) {
-#pragma unroll
-    for (int kb = 0; kb < K / 64; ++kb)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int i = 16 * warp + g8 + 8 * hr;
-          float2 cur = make_float2(0.f, 0.f);
-          if (i < ci.len) cur = *reinterpret_cast<const float2*>(p.dk1 + (ci.bos + i) * HK + h * K + kb * 64 + 8 * nt + 2 * q);
-          dka[kb][nt][2 * hr] = cur.x;
-          dka[kb][nt][2 * hr + 1] = cur.y;
-        }
-  }
+  if constexpr (DKREG) wy_dk_load<K>(dka, p, ci, h, warp, g8, q);
   cp_async_wait<RES ? 2 : 1>();  // K (the first head's groups may still be in flight)
   __syncthreads();
   {  // K K^T (independent of the value head)
@@ -227,11 +260,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
         mma<St>(kk[2 * np + 1], a, b[1]);
       }
     }
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        KKf[(16 * warp + g8 + 8 * (e >> 1)) * LDF + 8 * nt + 2 * q + (e & 1)] = kk[nt][e];
+    wy_store_kk(KKf, kk, warp, g8, q);
   }
 
 #pragma unroll 1
@@ -417,19 +446,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
     if (warp == 0) dg_of_chunk(p, ci, hv, rowv, lane);
     __syncthreads();
   }
-  if constexpr (DKREG) {
-#pragma unroll
-    for (int kb = 0; kb < K / 64; ++kb)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int i = 16 * warp + g8 + 8 * hr;
-          if (i >= ci.len) continue;
-          const int64_t off = (ci.bos + i) * HK + h * K + kb * 64 + 8 * nt + 2 * q;
-          st2_grad<St>(p.dk, off, dka[kb][nt][2 * hr], dka[kb][nt][2 * hr + 1], p.grad_f32);
-        }
-  }
+  if constexpr (DKREG) wy_dk_store<St, K>(dka, p, ci, h, warp, g8, q);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -499,20 +516,8 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
   cp_async_commit();
   issue_tm_dw(0);
   issue_dvn_v(0);
-  // grad_qk's part of dk for this thread's fragment positions (rows past the chunk's end stay zero)
-  float dka[NKB][8][4];
-#pragma unroll
-  for (int kb = 0; kb < NKB; ++kb)
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int i = 16 * warp + g8 + 8 * hr;
-        float2 cur = make_float2(0.f, 0.f);
-        if (i < ci.len) cur = *reinterpret_cast<const float2*>(p.dk1 + (ci.bos + i) * HK + h * K + kb * 64 + 8 * nt + 2 * q);
-        dka[kb][nt][2 * hr] = cur.x;
-        dka[kb][nt][2 * hr + 1] = cur.y;
-      }
+  float dka[NKB][8][4];  // grad_qk's part of dk for this thread's fragment positions
+  wy_dk_load<K>(dka, p, ci, h, warp, g8, q);
   cp_async_wait<2>();  // K (the first head's groups may still be in flight)
   fence_async_smem();
   __syncthreads();
@@ -527,11 +532,7 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
     }
     wg_wait<0>();
     wg_fence_acc(kk);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        KKf[(16 * warp + g8 + 8 * (e >> 1)) * LDF + 8 * nt + 2 * q + (e & 1)] = kk[nt][e];
+    wy_store_kk(KKf, kk, warp, g8, q);
   }
 
 #pragma unroll 1
@@ -668,17 +669,7 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
     if (warp == 0) dg_of_chunk(p, ci, hv, rowv, lane);
     __syncthreads();
   }
-#pragma unroll
-  for (int kb = 0; kb < NKB; ++kb)
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int i = 16 * warp + g8 + 8 * hr;
-        if (i >= ci.len) continue;
-        const int64_t off = (ci.bos + i) * HK + h * K + kb * 64 + 8 * nt + 2 * q;
-        st2_grad<St>(p.dk, off, dka[kb][nt][2 * hr], dka[kb][nt][2 * hr + 1], p.grad_f32);
-      }
+  wy_dk_store<St, K>(dka, p, ci, h, warp, g8, q);
 }
 
 void launch_grad_wy(const Params& p, DType dtype, void* stream) {
