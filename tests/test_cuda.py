@@ -38,9 +38,12 @@ CASES = {
     # varlen batch of lengths 1, 63, 1, 235, 700 (5 sequences x 8 value heads x 2 tiles = 80 CTAs)
     "wg_K64_V128": (2, 65, 4, 32, 64, 128, True, None, False),
     "wg_varlen": (1, 1000, 2, 8, 128, 128, True, [0, 1, 64, 65, 300, 1000], False),
-    # more grad_qk work items (chunk x q/k head x 64-wide block of K) than SMs, so that a CTA walks several: a varlen
-    # batch (50 chunks x 4 heads x 2 blocks = 400 items, 4 steps each), one value head per group with V = 128 (2
-    # steps per item, the fewest that keep the pipeline across items), and with V = 64 (1 step: one CTA per item)
+    # V = 256 in 64-column tiles (2 x 16 value heads x 4 tiles = 128 CTAs): the passes that hold two tiles per CTA
+    # run two CTAs per value head
+    "wg_V256": (2, 130, 8, 16, 64, 256, True, None, False),
+    # grad_qk work items (chunk x q/k head x 64-wide block of K) in several waves, with short pipelines of steps: a
+    # varlen batch (50 chunks x 4 heads x 2 blocks = 400 items, 4 steps each), one value head per group with V = 128
+    # (2 steps per item) and with V = 64 (1 step)
     "qk_items_varlen": (1, 3000, 4, 8, 128, 128, True, [0, 1, 64, 1000, 1001, 3000], False),
     "qk_items_G1_V128": (1, 2000, 4, 4, 128, 128, False, None, False),
     "qk_items_G1_V64": (1, 2000, 8, 8, 64, 64, True, None, False),
