@@ -133,12 +133,17 @@ def test_fallback_fp32(name):
     _check(name, torch.float32)
 
 
-def _kernel_counts(fn):
+def _profiled(fn):
+    """fn's result and how many launches of each state kernel it made."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
+        r = fn()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return {k: sum(k in n for n in names) for k in ("state_fwd_kernel", "state_rev_kernel", "combine_kernel")}
+    return r, {k: sum(k in n for n in names) for k in ("state_fwd_kernel", "state_rev_kernel", "combine_kernel")}
+
+
+def _kernel_counts(fn):
+    return _profiled(fn)[1]
 
 
 def test_auto_takes_segments_scan_and_chunk_do_not():
@@ -166,7 +171,7 @@ def test_segments_graph_replay_matches_eager():
 
 
 def test_segments_in_the_forward_only():
-    """The forward's warpgroup state pass runs two CTAs per SM, so it counts twice the slots of the backward's: a
+    """The forward's warpgroup state pass runs two tiles per SM, so it counts twice the slots of the backward's: a
     batch whose (sequence x value head x 64 columns) CTAs fill between half and all of the SMs is cut into segments
     in the forward (segments + fallback pass) but walked whole in the backward. Both against the float64 loop."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -176,8 +181,7 @@ def test_segments_in_the_forward_only():
     gen = torch.Generator(device="cpu").manual_seed(3)
     d_o = torch.randn(1, 1100, HV, 128, generator=gen).to("cuda", torch.bfloat16)
     d_ht = torch.randn(1, HV, 128, 128, generator=gen).to("cuda")
-    counts = _kernel_counts(lambda: run_ours(inp, d_o, d_ht, algorithm="auto"))
+    out, counts = _profiled(lambda: run_ours(inp, d_o, d_ht, algorithm="auto"))
     # forward: segments + fallback; backward: one state_fwd (states of every chunk) and one state_rev, whole
     assert counts == {"state_fwd_kernel": 3, "state_rev_kernel": 1, "combine_kernel": 0}, counts
-    _assert_close("forward-only segments", run_ours(inp, d_o, d_ht, algorithm="auto"), reference(inp, d_o, d_ht),
-                  torch.bfloat16)
+    _assert_close("forward-only segments", out, reference(inp, d_o, d_ht), torch.bfloat16)
