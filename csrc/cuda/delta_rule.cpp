@@ -242,9 +242,7 @@ Inputs dense_inputs(const CoreArgs& a) {
   in.v = dense(a.v);
   in.g = dense(a.g.to(at::kFloat));
   // beta is read in place in a 16-bit dtype or fp32 (load_as_float), any other float dtype as fp32
-  const at::ScalarType bd = a.beta.scalar_type();
-  const bool beta_in_place = is_kernel_dtype(bd);
-  in.beta = dense(beta_in_place ? a.beta : a.beta.to(at::kFloat));
+  in.beta = dense(is_kernel_dtype(a.beta.scalar_type()) ? a.beta : a.beta.to(at::kFloat));
   if (a.initial_state.defined()) in.h0 = dense(a.initial_state.to(at::kFloat));
   return in;
 }

@@ -36,6 +36,11 @@ template <> __device__ __forceinline__ void st2<__half>(__half* p, float a, floa
 template <> __device__ __forceinline__ void st2<float>(float* p, float a, float b) {
   *reinterpret_cast<float2*>(p) = make_float2(a, b);
 }
+// eight consecutive floats (p 16-byte aligned) as two 16-byte loads
+__device__ __forceinline__ void ld8(const float* p, float (&x)[8]) {
+  *reinterpret_cast<float4*>(x) = reinterpret_cast<const float4*>(p)[0];
+  *reinterpret_cast<float4*>(x + 4) = reinterpret_cast<const float4*>(p)[1];
+}
 // store eight consecutive elements (p 16-byte aligned): one 16-byte store for 16-bit types, two for fp32
 template <class St> __device__ __forceinline__ void st8(St* p, const float (&x)[8]) {
   if constexpr (sizeof(St) == 4) {

@@ -268,14 +268,13 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
     const WyHead<St> hd = head(gi);
     const int hv = hd.hv;
     const int64_t chv = hd.chv;
-    const St *dWg = hd.dW, *dVnTg = hd.dVnT, *vg = hd.v;
     const float dgam_qk = wy_head_rows(p, ci, c, hv, chv, tid, gam, bet);
     cp_async_wait<0>();  // this head's tiles (issued before the loop or during the previous head)
     __syncthreads();
     auto get_dW = [&](int kb) -> const St* {
       if constexpr (RES) return dWr + kb * TILE;
       __syncthreads();
-      load_tile<St, C, C, 128>(blk, LDC, dWg + kb * 64, K, C, tid);
+      load_tile<St, C, C, 128>(blk, LDC, hd.dW + kb * 64, K, C, tid);
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
@@ -288,8 +287,9 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
         return;
       }
       __syncthreads();
-      load_tile<St, C, C, 128>(blk, LDC, dVnTg + static_cast<int64_t>(vb) * 64 * C, C, C, tid);
-      if (need_v) load_tile<St, C, C, 128>(blk + TILE, LDC, vg + vb * 64, static_cast<int64_t>(p.HV) * V, ci.len, tid);
+      load_tile<St, C, C, 128>(blk, LDC, hd.dVnT + static_cast<int64_t>(vb) * 64 * C, C, C, tid);
+      if (need_v)
+        load_tile<St, C, C, 128>(blk + TILE, LDC, hd.v + vb * 64, static_cast<int64_t>(p.HV) * V, ci.len, tid);
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();

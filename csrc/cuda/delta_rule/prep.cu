@@ -198,10 +198,8 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
     for (int e = tid; e < C * C / 8; e += 128) {
       const int i = e >> 3, j = 8 * (e & 7);
       float t[8], tb[8];
-      *reinterpret_cast<float4*>(t) = *reinterpret_cast<const float4*>(Tf + i * LDF + j);
-      *reinterpret_cast<float4*>(t + 4) = *reinterpret_cast<const float4*>(Tf + i * LDF + j + 4);
-      *reinterpret_cast<float4*>(tb) = *reinterpret_cast<const float4*>(bet + j);
-      *reinterpret_cast<float4*>(tb + 4) = *reinterpret_cast<const float4*>(bet + j + 4);
+      ld8(Tf + i * LDF + j, t);
+      ld8(bet + j, tb);
 #pragma unroll
       for (int u = 0; u < 8; ++u) tb[u] *= t[u];
       if (Tmg != nullptr) st8<St>(Tmg + i * C + j, t);
@@ -209,8 +207,7 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
       if (p.W != nullptr) {
         st8<St>(TmB + i * LDC + j, tb);
         float tg[8];
-        *reinterpret_cast<float4*>(tg) = *reinterpret_cast<const float4*>(beg + j);
-        *reinterpret_cast<float4*>(tg + 4) = *reinterpret_cast<const float4*>(beg + j + 4);
+        ld8(beg + j, tg);
 #pragma unroll
         for (int u = 0; u < 8; ++u) tg[u] *= t[u];
         st8<St>(TmBG + i * LDC + j, tg);
