@@ -174,13 +174,12 @@ template <class St> __device__ __forceinline__ FragA<St> lda_t(const St* s, int 
   }
   return a;
 }
-// lda_t with the contraction index k scaled by f(k) = sc * exp(gam[k]) (a scaled copy of the operand)
+// lda_t with the contraction index k scaled (a scaled copy of the operand): this lane's k0 + 2q, + 1, + 8, + 9 by
+// f0, f1, f8, f9
 template <class St>
-__device__ __forceinline__ FragA<St> lda_t_scaled(const St* s, int ld, int m0, int k0, const float* gam, float sc) {
+__device__ __forceinline__ FragA<St> lda_t_cols(const St* s, int ld, int m0, int k0, float f0, float f1, float f8,
+                                                float f9) {
   const int lane = threadIdx.x & 31;
-  const int q = lane & 3;
-  const float f0 = sc * __expf(gam[k0 + 2 * q]), f1 = sc * __expf(gam[k0 + 2 * q + 1]);
-  const float f8 = sc * __expf(gam[k0 + 2 * q + 8]), f9 = sc * __expf(gam[k0 + 2 * q + 9]);
   FragA<St> a;
   if constexpr (sizeof(St) == 2) {
     FragA<St> r = lda_t<St>(s, ld, m0, k0);
@@ -191,7 +190,7 @@ __device__ __forceinline__ FragA<St> lda_t_scaled(const St* s, int ld, int m0, i
       Pack<St>::put(a.x, a.x, i, v.x * fa[i][0], v.y * fa[i][1]);
     }
   } else {
-    const int g = lane >> 2;
+    const int g = lane >> 2, q = lane & 3;
     const float* p = s + (k0 + 2 * q) * ld + m0 + g;
     Pack<St>::put(a.hi, a.lo, 0, p[0] * f0, p[ld] * f1);
     Pack<St>::put(a.hi, a.lo, 1, p[8] * f0, p[ld + 8] * f1);
@@ -199,6 +198,15 @@ __device__ __forceinline__ FragA<St> lda_t_scaled(const St* s, int ld, int m0, i
     Pack<St>::put(a.hi, a.lo, 3, p[8 * ld + 8] * f8, p[9 * ld + 8] * f9);
   }
   return a;
+}
+
+// lda_t with the contraction index k scaled by f(k) = sc * exp(gam[k])
+template <class St>
+__device__ __forceinline__ FragA<St> lda_t_scaled(const St* s, int ld, int m0, int k0, const float* gam, float sc) {
+  const int q = threadIdx.x & 3;
+  const float f0 = sc * __expf(gam[k0 + 2 * q]), f1 = sc * __expf(gam[k0 + 2 * q + 1]);
+  const float f8 = sc * __expf(gam[k0 + 2 * q + 8]), f9 = sc * __expf(gam[k0 + 2 * q + 9]);
+  return lda_t_cols<St>(s, ld, m0, k0, f0, f1, f8, f9);
 }
 // two B fragments (n0..n0+7 and n0+8..n0+15, contraction k0..k0+15) with B[k][n] = s[n * ld + k]
 template <class St> __device__ __forceinline__ void ldb(FragB<St> b[2], const St* s, int ld, int n0, int k0) {

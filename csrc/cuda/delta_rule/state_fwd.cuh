@@ -60,8 +60,9 @@ struct FwdCfg {
   static constexpr size_t KQ_BYTES = (size_t)K * NKQ * 128;  // K / 64 blocks of 64 NKQ rows of 128 bytes
   static constexpr size_t AT_BYTES = (MODE == 0) ? 8192 : 0, TB_BYTES = 8192;
   static constexpr size_t UT_BYTES = sizeof(St) * C * LDT;
+  // gam, and on warpgroup products e^gam and e^{gam_L - gam} after it (64 floats each)
   static constexpr size_t STAGE_BYTES =
-      WG ? (KQ_BYTES + AT_BYTES + TB_BYTES + UT_BYTES + 256 + 1023) / 1024 * 1024
+      WG ? (KQ_BYTES + AT_BYTES + TB_BYTES + UT_BYTES + 3 * 256 + 1023) / 1024 * 1024
          : sizeof(St) * (size_t)(NKT * C * LDK + C * LDT + C * LDC) + 256;
   static constexpr size_t RED_BYTES = (KS == 2) ? sizeof(float) * (2 * NVR * 1024 + NVR * 1024) : 0;
   static constexpr size_t OS_BYTES = (MODE == 0) ? sizeof(St) * C * LDT : 0;
@@ -163,6 +164,8 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
     St *Ws, *Ks, *Qs, *Us, *As, *Ts;
     float* gs;
     stage_ptr(buf, Ws, Ks, Qs, Us, As, Ts, gs);
+    float* eg = gs + C;         // (warpgroup products) e^gam
+    float* egl = gs + 2 * C;    // e^{gam_L - gam}
     const ChunkInfo ci = chunk_info(p, c, un.n);
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
 
@@ -171,18 +174,32 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
     float(&acc_vn)[8][4] = acc[0];
     float(&acc_o)[8][4] = acc[1];
     if constexpr (F::WG) {
-      // one warpgroup product over K: S^T [K | Q]^T, 64 (mode 1: K only) or 128 columns
+      // S^T K^T, then (mode 0) S^T Q^T as a second group: Vn needs only the first, so the output's product runs
+      // while Vn is formed. Meanwhile e^gam and e^{gam_L - gam} of the chunk go to shared memory, once per CTA
+      // instead of once per thread and use.
       FragA<St> sa[K / 16];
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk) sa[kk] = frag_a_from_c<St>(S[2 * kk], S[2 * kk + 1]);
-      auto& d = reinterpret_cast<float(&)[8 * F::NKQ][4]>(acc);
+      const St* kq = Ks;
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk)
-        wgmma_rs<St, 0>(d, sa[kk], sw128_desc(Ks + (kk >> 2) * 64 * F::NKQ * 64 + (kk & 3) * 16, 16), kk > 0);
+        wgmma_rs<St, 0>(acc_vn, sa[kk], sw128_desc(kq + (kk >> 2) * 64 * F::NKQ * 64 + (kk & 3) * 16, 16), kk > 0);
       wg_commit();
-      wg_wait<0>();
-      wg_fence_acc(d);
+      if constexpr (F::WITH_Q) {
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk)
+          wgmma_rs<St, 0>(acc_o, sa[kk], sw128_desc(kq + (kk >> 2) * 128 * 64 + 64 * 64 + (kk & 3) * 16, 16),
+                          kk > 0);
+        wg_commit();
+      }
+      if (tid < C) {
+        eg[tid] = __expf(gs[tid]);
+        egl[tid] = __expf(gs[C - 1] - gs[tid]);
+      }
+      __syncthreads();
+      wg_wait<F::WITH_Q ? 1 : 0>();
+      wg_fence_acc(acc_vn);
     } else {
       zero_acc(acc_vn);
       zero_acc(acc_o);
@@ -270,7 +287,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
           const int nt = 2 * kk + t, j0 = 8 * nt + 2 * q;
-          const float e0 = __expf(gs[j0]), e1 = __expf(gs[j0 + 1]);
+          const float e0 = eg[j0], e1 = eg[j0 + 1];
           const float2 v0 = unpack2<St>(va.x[2 * t]), v1 = unpack2<St>(va.x[2 * t + 1]);
           x[t][0] = v0.x - acc_vn[nt][0] * e0;
           x[t][1] = v0.y - acc_vn[nt][1] * e1;
@@ -285,6 +302,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
       wg_commit();
       wg_wait<0>();
       wg_fence_acc(vn);
+      if constexpr (F::WITH_Q) wg_fence_acc(acc_o);
     } else if constexpr (sizeof(St) == 2) {
       // U^T by ldmatrix.trans: the A-fragment registers of a 16 x 16 block are the C fragments of two n-tiles
 #pragma unroll
@@ -347,7 +365,10 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
 #pragma unroll
       for (int nt = 0; nt < NO; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[nt][e] *= p.scale * __expf(gs[t0 + 8 * nt + 2 * q + (e & 1)]);
+        for (int e = 0; e < 4; ++e) {
+          const int j = t0 + 8 * nt + 2 * q + (e & 1);
+          acc_o[nt][e] *= p.scale * (F::WG ? eg[j] : __expf(gs[j]));
+        }
     }
     if constexpr (!F::WG) {
       if (out) {
@@ -375,9 +396,14 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
       for (int e = 0; e < 4; ++e) S[nt][e] *= dl;
     auto kfrag = [&](int kk) {  // tokens 16 kk .. 16 kk + 15 of Vn^T diag(e^{gam_L - gam})
       const int j0 = 16 * kk + 2 * q;
-      const float fk[4] = {__expf(gl - gs[j0]), __expf(gl - gs[j0 + 1]), __expf(gl - gs[j0 + 8]),
-                           __expf(gl - gs[j0 + 9])};
-      return frag_a_from_c_cols<St>(vn[2 * kk], vn[2 * kk + 1], fk);
+      if constexpr (F::WG) {
+        const float fk[4] = {egl[j0], egl[j0 + 1], egl[j0 + 8], egl[j0 + 9]};
+        return frag_a_from_c_cols<St>(vn[2 * kk], vn[2 * kk + 1], fk);
+      } else {
+        const float fk[4] = {__expf(gl - gs[j0]), __expf(gl - gs[j0 + 1]), __expf(gl - gs[j0 + 8]),
+                             __expf(gl - gs[j0 + 9])};
+        return frag_a_from_c_cols<St>(vn[2 * kk], vn[2 * kk + 1], fk);
+      }
     };
     if constexpr (F::WG) {
       // S^T += (Vn^T diag(e^{gam_L - gam})) K (K N-major), then the output's part (scale Vn^T) A^T (A K-major)

@@ -41,7 +41,8 @@ struct RevCfg {
   // two warpgroups per CTA (one per tile) read each chunk's K, Q, A and Tm diag(beta) once for both tiles
   static_assert(WGS == 1 || WG, "two warpgroups per CTA: the warpgroup pass only");
   static constexpr size_t KT_BYTES = (size_t)K * 128, AT_BYTES = 8192, DT_BYTES = sizeof(St) * C * LDT;
-  static constexpr size_t STAGE_BYTES = WG ? (2 * KT_BYTES + 2 * AT_BYTES + DT_BYTES + 256 + 1023) / 1024 * 1024
+  // gam, and on warpgroup products e^gam and e^{gam_L - gam} after it (64 floats each)
+  static constexpr size_t STAGE_BYTES = WG ? (2 * KT_BYTES + 2 * AT_BYTES + DT_BYTES + 3 * 256 + 1023) / 1024 * 1024
                                            : sizeof(St) * (size_t)(NKT * C * LDK + C * LDC + C * LDT) + 256;
   static constexpr size_t RED_BYTES = (KS == 2) ? sizeof(float) * (2 * NVR * 1024) : 0;
   static constexpr size_t ALIGN = WG ? 1024 : 0;  // room to move the stages onto a 1024-byte boundary
@@ -138,6 +139,8 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
     St *Ws, *Ks, *Qs, *As, *Ts, *Ds;
     float* gs;
     stage_ptr(buf, Ws, Ks, Qs, As, Ts, Ds, gs);
+    float* eg = gs + C;       // (warpgroup products) e^gam
+    float* egl = gs + 2 * C;  // e^{gam_L - gam}
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
 
     const int64_t row0 = chv * p.V + vt * TW + vr * 16;  // this warp's first row of dhT / dVn^T
@@ -158,6 +161,12 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(acc1, da[kk], sw128_desc(As + 16 * kk * 64, 8192), kk > 0);
       wg_commit();
+      // meanwhile e^gam and e^{gam_L - gam} of the chunk to shared memory, once per CTA instead of per thread and use
+      if (tid < C) {
+        eg[tid] = __expf(gs[tid]);
+        egl[tid] = __expf(gs[C - 1] - gs[tid]);
+      }
+      __syncthreads();
       wg_wait<0>();
       wg_fence_acc(acc1);
       wg_fence_acc(acc2);
@@ -212,7 +221,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int j = 8 * nt + 2 * q + (e & 1);
-        dvn[nt][e] = p.scale * acc1[nt][e] + __expf(gl - gs[j]) * acc2[nt][e];
+        dvn[nt][e] = p.scale * acc1[nt][e] + (F::WG ? egl[j] : __expf(gl - gs[j])) * acc2[nt][e];
       }
     if (MODE == 0 && ks == 0 && out)
       store_frag_rows<St, 8>(static_cast<St*>(p.dVnT) + row0 * C, C, dvn, g8, q);
@@ -231,7 +240,9 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         ya[kk] = frag_a_from_c<St>(dvn[2 * kk], dvn[2 * kk + 1]);
-        qa[kk] = lda_t_scaled<St>(Ds, LDT, cw + vr * 16, 16 * kk, gs, p.scale);
+        const int j0 = 16 * kk + 2 * q;
+        qa[kk] = lda_t_cols<St>(Ds, LDT, cw + vr * 16, 16 * kk, p.scale * eg[j0], p.scale * eg[j0 + 1],
+                                p.scale * eg[j0 + 8], p.scale * eg[j0 + 9]);
       }
       wg_fence();
 #pragma unroll
@@ -245,7 +256,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const int j0 = 16 * kk + 2 * q;
-        const float fk[4] = {-__expf(gs[j0]), -__expf(gs[j0 + 1]), -__expf(gs[j0 + 8]), -__expf(gs[j0 + 9])};
+        const float fk[4] = {-eg[j0], -eg[j0 + 1], -eg[j0 + 8], -eg[j0 + 9]};
         ya[kk] = frag_a_from_c_cols<St>(y[2 * kk], y[2 * kk + 1], fk);
       }
       wg_fence();
