@@ -72,11 +72,20 @@ __device__ __forceinline__ float wy_head_rows(const Params& p, const ChunkInfo& 
 
 // R = dM o beta_i E (strictly lower) and the beta and gam terms of M, from this warp's fragment of dM (rows
 // 16 warp ..): put(nt, e, i, j, r) stores R (r = 0 on and above the diagonal); the column sums of the gam term go to
-// colv[warp][j]
-template <class Put>
+// colv[warp][j]. HOIST: the rows' gam and beta are read once (put's shared-memory stores would otherwise reload
+// them); fp32 keeps the reloads (fewer registers live).
+template <bool HOIST, class Put>
 __device__ __forceinline__ void wy_r_terms(const float (&dM)[8][4], const float* gam, const float* bet, const float* KKf,
                                            int warp, int g8, int q, float (&rbeta)[2], float (&rgam)[2], float* colv,
                                            Put&& put) {
+  float gr[2] = {0.f, 0.f}, br[2] = {0.f, 0.f};
+  if constexpr (HOIST) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      gr[hr] = gam[16 * warp + g8 + 8 * hr];
+      br[hr] = bet[16 * warp + g8 + 8 * hr];
+    }
+  }
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     float cm[2] = {0.f, 0.f};
@@ -85,14 +94,15 @@ __device__ __forceinline__ void wy_r_terms(const float (&dM)[8][4], const float*
       const int hr = e >> 1, i = 16 * warp + g8 + 8 * hr, j = 8 * nt + 2 * q + (e & 1);
       float r = 0.f;
       if (i > j) {
-        const float E = __expf(gam[i] - gam[j]);
+        const float gmi = HOIST ? gr[hr] : gam[i], bti = HOIST ? br[hr] : bet[i];
+        const float E = __expf(gmi - gam[j]);
         const float G = KKf[i * kLdF + j] * E;
         const float dm = dM[nt][e];
-        const float dmm = dm * bet[i] * G;
+        const float dmm = dm * bti * G;
         rbeta[hr] += dm * G;
         rgam[hr] += dmm;
         cm[e & 1] += dmm;
-        r = dm * bet[i] * E;
+        r = dm * bti * E;
       }
       put(nt, e, i, j, r);
     }
@@ -152,22 +162,60 @@ __device__ __forceinline__ void wy_dk_load(float (&dka)[K / 64][8][4], const Par
         dka[kb][nt][2 * hr + 1] = cur.y;
       }
 }
+// A warp's 16 x 64 block of gradient fragments (F[nt][e] at row g8 + 8 hr, hr = e >> 1, column 8 nt + 2q + (e & 1))
+// at g + off (off: row g8, column 0), row stride ld, rows with ok[hr] only, for 16-bit St: in St, 16 contiguous
+// bytes per lane after the quad's exchange (quad_transpose; full 32-byte sectors), or in fp32 pairs when f32
+// (Params::grad_f32, tested once per block rather than per pair)
+template <class St>
+__device__ __forceinline__ void wy_store_grad(void* g, int64_t off, int64_t ld, const float (&F)[8][4],
+                                              const bool (&ok)[2], bool f32, int q) {
+  if (f32) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float* row = static_cast<float*>(g) + off + 8 * hr * ld + 2 * q;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+        if (ok[hr]) st2<float>(row + 8 * nt, F[nt][2 * hr], F[nt][2 * hr + 1]);
+    }
+  } else {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      St* row = static_cast<St*>(g) + off + 8 * hr * ld + 8 * q;
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        uint32_t y[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) Pack<St>::put(y, y, t, F[4 * m + t][2 * hr], F[4 * m + t][2 * hr + 1]);
+        quad_transpose(y, q);  // (every lane: the rows' lanes exchange before the test)
+        if (ok[hr]) *reinterpret_cast<uint4*>(row + 32 * m) = make_uint4(y[0], y[1], y[2], y[3]);
+      }
+    }
+  }
+}
+
 template <class St, int K>
 __device__ __forceinline__ void wy_dk_store(const float (&dka)[K / 64][8][4], const Params& p, const ChunkInfo& ci,
                                             int h, int warp, int g8, int q) {
   constexpr int NKB = K / 64;
   const int64_t HK = static_cast<int64_t>(p.H) * K;
+  if constexpr (sizeof(St) == 2) {
+    const bool ok[2] = {16 * warp + g8 < ci.len, 16 * warp + g8 + 8 < ci.len};
+    const int64_t off = (ci.bos + 16 * warp + g8) * HK + h * K;
 #pragma unroll
-  for (int kb = 0; kb < NKB; ++kb)
+    for (int kb = 0; kb < NKB; ++kb) wy_store_grad<St>(p.dk, off + kb * 64, HK, dka[kb], ok, p.grad_f32, q);
+  } else {
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int kb = 0; kb < NKB; ++kb)
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int i = 16 * warp + g8 + 8 * hr;
-        if (i >= ci.len) continue;
-        const int64_t off = (ci.bos + i) * HK + h * K + kb * 64 + 8 * nt + 2 * q;
-        st2_grad<St>(p.dk, off, dka[kb][nt][2 * hr], dka[kb][nt][2 * hr + 1], p.grad_f32);
-      }
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int i = 16 * warp + g8 + 8 * hr;
+          if (i >= ci.len) continue;
+          const int64_t off = (ci.bos + i) * HK + h * K + kb * 64 + 8 * nt + 2 * q;
+          st2_grad<St>(p.dk, off, dka[kb][nt][2 * hr], dka[kb][nt][2 * hr + 1], p.grad_f32);
+        }
+  }
 }
 // K K^T (a warp's 16 rows of fragments) into the fp32 tile KKf
 __device__ __forceinline__ void wy_store_kk(float* KKf, const float (&kk)[8][4], int warp, int g8, int q) {
@@ -372,7 +420,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
     // R = dM o beta_i E, the beta and gam terms of M
     float R[F32 ? 8 : 1][4];  // (fp32: R also stays in registers)
     float rbeta[2] = {0.f, 0.f}, rgam[2] = {0.f, 0.f};
-    wy_r_terms(dM, gam, bet, KKf, warp, g8, q, rbeta, rgam, colv, [&](int nt, int e, int i, int j, float r) {
+    wy_r_terms<!F32>(dM, gam, bet, KKf, warp, g8, q, rbeta, rgam, colv, [&](int nt, int e, int i, int j, float r) {
       if constexpr (F32) R[nt][e] = r;
       RS[i * LDC + j] = from_f<St>(r);
     });
@@ -500,14 +548,15 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
   // after its dTm and dV, Tm and dW after its dK
   auto issue_tm_dw = [&](int gi) {
     const WyHead<St> hd = head(gi);
-    load_tile_sw128<St, C, C, C, 128>(TmS, 0, static_cast<const St*>(p.Tm) + hd.chv * C * C, C, C, tid);
-    for (int kb = 0; kb < NKB; ++kb) load_tile_sw128<St, C, C, C, 128>(dWr + kb * ST, 0, hd.dW + kb * 64, K, C, tid);
+    load_full_tile_sw128<St, C, C, C, 128>(TmS, 0, static_cast<const St*>(p.Tm) + hd.chv * C * C, C, tid);
+    for (int kb = 0; kb < NKB; ++kb) load_full_tile_sw128<St, C, C, C, 128>(dWr + kb * ST, 0, hd.dW + kb * 64, K, tid);
     cp_async_commit();
   };
   auto issue_dvn_v = [&](int gi) {
     const WyHead<St> hd = head(gi);
+#pragma unroll 1
     for (int vb = 0; vb < NVB; ++vb) {
-      load_tile_sw128<St, C, C, C, 128>(dVr + vb * ST, 0, hd.dVnT + static_cast<int64_t>(vb) * 64 * C, C, C, tid);
+      load_full_tile_sw128<St, C, C, C, 128>(dVr + vb * ST, 0, hd.dVnT + static_cast<int64_t>(vb) * 64 * C, C, tid);
       load_tile_sw128<St, C, C, C, 128>(Vr + vb * ST, 0, hd.v + vb * 64, static_cast<int64_t>(p.HV) * V, ci.len, tid);
     }
     cp_async_commit();
@@ -583,28 +632,31 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
 #pragma unroll
     for (int t = 0; t < 4; ++t) at[t] = lda_t_sw128<St>(TmS, 16 * warp, 16 * t);
 
-    // dV = diag(beta) Tm^T dU per 64-column block (dU = dVn, from dVn^T K-major)
+    // dV = diag(beta) Tm^T dU per 64-column block (dU = dVn, from dVn^T K-major), stored by wy_store_grad
     float ry[2] = {0.f, 0.f};
+    {  // (this thread's rows i0 and i0 + 8: their beta, validity and offset in dv, read once per head)
+      const int i0 = 16 * warp + g8;
+      const float bi[2] = {bet[i0], bet[i0 + 8]};
+      const bool ok[2] = {i0 < ci.len, i0 + 8 < ci.len};
+      const int64_t HVV = static_cast<int64_t>(p.HV) * V, off = (ci.bos + i0) * HVV + static_cast<int64_t>(hv) * V;
 #pragma unroll 1
-    for (int vb = 0; vb < NVB; ++vb) {
-      float Y[8][4];
-      wg_product<St, 0>(Y, at, sw128_desc(dVr + vb * ST, 16), false);
-      wg_wait<0>();
-      wg_fence_acc(Y);
+      for (int vb = 0; vb < NVB; ++vb) {
+        float Y[8][4];
+        wg_product<St, 0>(Y, at, sw128_desc(dVr + vb * ST, 16), false);
+        wg_wait<0>();
+        wg_fence_acc(Y);
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
+        for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int i = 16 * warp + g8 + 8 * hr;
-          const int vl = 8 * nt + 2 * q;
-          const float y0 = Y[nt][2 * hr], y1 = Y[nt][2 * hr + 1];
-          const float2 vv = sw128_get2<St>(Vr + vb * ST, i, vl);
-          ry[hr] += vv.x * y0 + vv.y * y1;
-          if (i < ci.len) {
-            const int64_t off = (ci.bos + i) * p.HV * V + static_cast<int64_t>(hv) * V + vb * 64 + vl;
-            st2_grad<St>(p.dv, off, bet[i] * y0, bet[i] * y1, p.grad_f32);
+          for (int hr = 0; hr < 2; ++hr) {
+            const float y0 = Y[nt][2 * hr], y1 = Y[nt][2 * hr + 1];
+            const float2 vv = sw128_get2<St>(Vr + vb * ST, i0 + 8 * hr, 8 * nt + 2 * q);
+            ry[hr] += vv.x * y0 + vv.y * y1;
+            Y[nt][2 * hr] = bi[hr] * y0;
+            Y[nt][2 * hr + 1] = bi[hr] * y1;
           }
-        }
+        wy_store_grad<St>(p.dv, off + vb * 64, HVV, Y, ok, p.grad_f32, q);
+      }
     }
     __syncthreads();
     if (gi + 1 < p.G) issue_dvn_v(gi + 1);  // (dVn^T and V are done with)
@@ -626,7 +678,7 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
     // R = dM o beta_i E, the beta and gam terms of M. R + R^T is stored (R is strictly lower, so every entry is one
     // of the two and the sum is exact): R K + R^T K is then one product
     float rbeta[2] = {0.f, 0.f}, rgam[2] = {0.f, 0.f};
-    wy_r_terms(dM, gam, bet, KKf, warp, g8, q, rbeta, rgam, colv, [&](int, int, int i, int j, float r) {
+    wy_r_terms<true>(dM, gam, bet, KKf, warp, g8, q, rbeta, rgam, colv, [&](int, int, int i, int j, float r) {
       if (i > j) RS[j * LDC + i] = from_f<St>(r);
       if (i >= j) RS[i * LDC + j] = from_f<St>(r);
     });

@@ -245,9 +245,23 @@ template <class St> __device__ __forceinline__ void ldb_t(FragB<St> b[2], const 
   }
 }
 
+// The four lanes q of a row exchange packed pairs (a 4 x 4 transpose by two butterfly steps): y[t] holds the lane's
+// pair of n-tile 4m + t of a row of accumulator fragments; afterwards y holds its columns 8 * (4m + q) .. + 7
+__device__ __forceinline__ void quad_transpose(uint32_t (&y)[4], int q) {
+#pragma unroll
+  for (int b = 1; b <= 2; b <<= 1)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j & b) continue;
+      const bool hi = (q & b) != 0;
+      const uint32_t r = __shfl_xor_sync(0xffffffffu, hi ? y[j] : y[j | b], b);
+      if (hi) y[j] = r; else y[j | b] = r;
+    }
+}
+
 // Stores a warp's block of accumulator fragments, F[nt][e] at row g8 + 8 * (e >> 1) and column 8 * nt + 2q + (e & 1)
-// of g (row stride ld). 16-bit types: the four lanes of a row exchange packed pairs (a 4 x 4 transpose by two
-// butterfly steps) so that each lane stores 16 contiguous bytes; fp32 stores the pairs as they are.
+// of g (row stride ld). 16-bit types: the four lanes of a row exchange packed pairs (quad_transpose) so that each
+// lane stores 16 contiguous bytes; fp32 stores the pairs as they are.
 template <class St, int NT8>
 __device__ __forceinline__ void store_frag_rows(St* g, int64_t ld, const float (&F)[NT8][4], int g8, int q) {
   if constexpr (sizeof(St) == 2 && NT8 % 4 == 0) {
@@ -258,16 +272,7 @@ __device__ __forceinline__ void store_frag_rows(St* g, int64_t ld, const float (
         uint32_t y[4];
 #pragma unroll
         for (int t = 0; t < 4; ++t) Pack<St>::put(y, y, t, F[4 * m + t][2 * hr], F[4 * m + t][2 * hr + 1]);
-#pragma unroll
-        for (int b = 1; b <= 2; b <<= 1)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            if (j & b) continue;
-            const bool hi = (q & b) != 0;
-            const uint32_t r = __shfl_xor_sync(0xffffffffu, hi ? y[j] : y[j | b], b);
-            if (hi) y[j] = r; else y[j | b] = r;
-          }
-        // lane q now holds columns 8 * (4m + q) .. + 7 of its row
+        quad_transpose(y, q);
         *reinterpret_cast<uint4*>(g + (g8 + 8 * hr) * ld + 8 * (4 * m + q)) = make_uint4(y[0], y[1], y[2], y[3]);
       }
   } else {

@@ -169,5 +169,22 @@ __device__ __forceinline__ void load_tile_sw128(unsigned char* s, int row0, cons
   }
 }
 
+// ... a tile whose rows are all valid (rows_valid = ROWS): the same copies without the per-row test and fallback
+// address
+template <class St, int ROWS, int COLS, int RT, int NT>
+__device__ __forceinline__ void load_full_tile_sw128(unsigned char* s, int row0, const St* g, int64_t gstride, int tid) {
+  constexpr int EPV = 16 / sizeof(St), VPR = COLS / EPV, RS = NT / VPR;
+  static_assert(COLS % 64 == 0 && NT % VPR == 0 && RS % 8 == 0 && ROWS % RS == 0, "sw128 tile shape");
+  const int r0 = tid / VPR, cv = tid % VPR;
+  const int off = (cv >> 3) * (RT * 128) + (row0 + r0) * 128 + (((cv & 7) ^ ((row0 + r0) & 7)) << 4);
+  const St* src = g + static_cast<int64_t>(r0) * gstride + cv * EPV;
+  const int64_t gstep = static_cast<int64_t>(RS) * gstride;
+#pragma unroll
+  for (int j = 0; j < ROWS / RS; ++j) {
+    cp_async16(s + off + j * RS * 128, src, true);
+    src += gstep;
+  }
+}
+
 }  // namespace cuda
 }  // namespace gated_delta
