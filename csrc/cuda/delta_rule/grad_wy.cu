@@ -548,15 +548,17 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
   // after its dTm and dV, Tm and dW after its dK
   auto issue_tm_dw = [&](int gi) {
     const WyHead<St> hd = head(gi);
-    load_full_tile_sw128<St, C, C, C, 128>(TmS, 0, static_cast<const St*>(p.Tm) + hd.chv * C * C, C, tid);
-    for (int kb = 0; kb < NKB; ++kb) load_full_tile_sw128<St, C, C, C, 128>(dWr + kb * ST, 0, hd.dW + kb * 64, K, tid);
+    load_tile_sw128<St, C, C, C, 128, false>(TmS, 0, static_cast<const St*>(p.Tm) + hd.chv * C * C, C, C, tid);
+    for (int kb = 0; kb < NKB; ++kb)
+      load_tile_sw128<St, C, C, C, 128, false>(dWr + kb * ST, 0, hd.dW + kb * 64, K, C, tid);
     cp_async_commit();
   };
   auto issue_dvn_v = [&](int gi) {
     const WyHead<St> hd = head(gi);
 #pragma unroll 1
     for (int vb = 0; vb < NVB; ++vb) {
-      load_full_tile_sw128<St, C, C, C, 128>(dVr + vb * ST, 0, hd.dVnT + static_cast<int64_t>(vb) * 64 * C, C, tid);
+      load_tile_sw128<St, C, C, C, 128, false>(dVr + vb * ST, 0, hd.dVnT + static_cast<int64_t>(vb) * 64 * C, C, C,
+                                                tid);
       load_tile_sw128<St, C, C, C, 128>(Vr + vb * ST, 0, hd.v + vb * 64, static_cast<int64_t>(p.HV) * V, ci.len, tid);
     }
     cp_async_commit();

@@ -151,8 +151,9 @@ __device__ __forceinline__ void wg_product(float (&d)[8][4], const FragA<St> (&a
 // ---- loads ----
 // Copies a ROWS x COLS tile (row r from g + r * gstride, rows >= rows_valid zero-filled) into rows row0 .. of a
 // sw128 tile of RT rows per 64-column block, 16 bytes per cp.async. Each thread keeps one 16-byte column slot and
-// walks rows a multiple of 8 apart, so its swizzled offset is the same for all of its rows.
-template <class St, int ROWS, int COLS, int RT, int NT>
+// walks rows a multiple of 8 apart, so its swizzled offset is the same for all of its rows. CHECK = false: a tile
+// whose rows are all valid (rows_valid is not read), the same copies without the per-row test.
+template <class St, int ROWS, int COLS, int RT, int NT, bool CHECK = true>
 __device__ __forceinline__ void load_tile_sw128(unsigned char* s, int row0, const St* g, int64_t gstride, int rows_valid,
                                                 int tid) {
   constexpr int EPV = 16 / sizeof(St), VPR = COLS / EPV, RS = NT / VPR;
@@ -163,25 +164,8 @@ __device__ __forceinline__ void load_tile_sw128(unsigned char* s, int row0, cons
   const int64_t gstep = static_cast<int64_t>(RS) * gstride;
 #pragma unroll
   for (int j = 0; j < ROWS / RS; ++j) {
-    const bool ok = r0 + j * RS < rows_valid;
+    const bool ok = !CHECK || r0 + j * RS < rows_valid;
     cp_async16(s + off + j * RS * 128, ok ? src : g, ok);
-    src += gstep;
-  }
-}
-
-// ... a tile whose rows are all valid (rows_valid = ROWS): the same copies without the per-row test and fallback
-// address
-template <class St, int ROWS, int COLS, int RT, int NT>
-__device__ __forceinline__ void load_full_tile_sw128(unsigned char* s, int row0, const St* g, int64_t gstride, int tid) {
-  constexpr int EPV = 16 / sizeof(St), VPR = COLS / EPV, RS = NT / VPR;
-  static_assert(COLS % 64 == 0 && NT % VPR == 0 && RS % 8 == 0 && ROWS % RS == 0, "sw128 tile shape");
-  const int r0 = tid / VPR, cv = tid % VPR;
-  const int off = (cv >> 3) * (RT * 128) + (row0 + r0) * 128 + (((cv & 7) ^ ((row0 + r0) & 7)) << 4);
-  const St* src = g + static_cast<int64_t>(r0) * gstride + cv * EPV;
-  const int64_t gstep = static_cast<int64_t>(RS) * gstride;
-#pragma unroll
-  for (int j = 0; j < ROWS / RS; ++j) {
-    cp_async16(s + off + j * RS * 128, src, true);
     src += gstep;
   }
 }
