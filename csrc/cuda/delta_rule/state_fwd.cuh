@@ -153,7 +153,11 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
     const int buf = (F::STAGES == 2) ? (it & 1) : 0;
     if constexpr (F::STAGES == 2) {
       if (it == 0) { issue(c, 0); cp_async_commit(); }
-      if (c + 1 < run.re) { issue(c + 1, buf ^ 1); cp_async_commit(); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
+      if constexpr (F::WG) {
+        cp_async_wait<0>();  // (chunk c + 1's loads are issued once this chunk's first products are under way)
+      } else {
+        if (c + 1 < run.re) { issue(c + 1, buf ^ 1); cp_async_commit(); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
+      }
     } else {
       issue(c, 0);
       cp_async_commit();
@@ -192,6 +196,14 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
           wgmma_rs<St, 0>(acc_o, sa[kk], sw128_desc(kq + (kk >> 2) * 128 * 64 + 64 * 64 + (kk & 3) * 16, 16),
                           kk > 0);
         wg_commit();
+      }
+      // the next chunk's tiles into the other stage (free since the last chunk's closing barrier): issued here, the
+      // copies' address work overlaps the products instead of delaying them
+      if constexpr (F::STAGES == 2) {
+        if (c + 1 < run.re) {
+          issue(c + 1, buf ^ 1);
+          cp_async_commit();
+        }
       }
       if (tid < C) {
         eg[tid] = __expf(gs[tid]);

@@ -128,7 +128,11 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
     const int buf = (F::STAGES == 2) ? (it & 1) : 0;
     if constexpr (F::STAGES == 2) {
       if (it == 0) { issue(c, 0); cp_async_commit(); }
-      if (c - 1 >= run.rb) { issue(c - 1, buf ^ 1); cp_async_commit(); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
+      if constexpr (F::WG) {
+        cp_async_wait<0>();  // (chunk c - 1's loads are issued once this chunk's first products are under way)
+      } else {
+        if (c - 1 >= run.rb) { issue(c - 1, buf ^ 1); cp_async_commit(); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
+      }
     } else {
       issue(c, 0);
       cp_async_commit();
@@ -161,6 +165,14 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(acc1, da[kk], sw128_desc(As + 16 * kk * 64, 8192), kk > 0);
       wg_commit();
+      // the next chunk's tiles into the other stage (free since the last chunk's closing barrier), their address
+      // work overlapping the products
+      if constexpr (F::STAGES == 2) {
+        if (c - 1 >= run.rb) {
+          issue(c - 1, buf ^ 1);
+          cp_async_commit();
+        }
+      }
       // meanwhile e^gam and e^{gam_L - gam} of the chunk to shared memory, once per CTA instead of per thread and use
       if (tid < C) {
         eg[tid] = __expf(gs[tid]);
