@@ -147,6 +147,22 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
   if (run.zero) zero_acc(S);
   else load_state_tile<K, KW, TW>(p, S, MODE == 2, homog, u, un.n, hv, vt, vr, ks, g8, q);
 
+  // O's rows [0, len) from the staging tile Os to og (row stride HV V), 16 bytes per lane
+  auto copy_o = [&](St* og, int len) {
+    constexpr int EPV = 16 / sizeof(St), VPR = TW * WGS / EPV;
+    for (int idx = tid; idx < C * VPR; idx += NT) {
+      const int r = idx / VPR, cv = idx % VPR;
+      if (r < len)
+        *reinterpret_cast<int4*>(og + static_cast<int64_t>(r) * p.HV * p.V + cv * EPV) =
+            *reinterpret_cast<const int4*>(Os + r * LDT + cv * EPV);
+    }
+  };
+  // (forward on warpgroup products) the last chunk's output, staged in Os and copied out during the next chunk's
+  // products: its destination and rows (0: none pending)
+  constexpr bool DEFER_O = F::WG && MODE == 0;
+  St* pend_og = nullptr;
+  int pend_len = 0;
+
 #pragma unroll 1
   for (int c = run.rb; c < run.re; ++c) {
     const int it = c - run.rb;
@@ -204,6 +220,12 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
           issue(c + 1, buf ^ 1);
           cp_async_commit();
         }
+      }
+      if constexpr (DEFER_O) {
+        // also while the products run: the last chunk's output, staged in Os before the barrier that opened this
+        // chunk (Os is written again after the barrier below)
+        if (pend_len > 0) copy_o(pend_og, pend_len);
+        pend_len = 0;
       }
       if (tid < C) {
         eg[tid] = __expf(gs[tid]);
@@ -355,7 +377,8 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
     const bool out = MODE == 0 && c >= run.ob;
     constexpr int NO = (KS == 2) ? 4 : 8;
     const int t0 = (KS == 2) ? 32 * ks : 0;
-    auto emit_o = [&] {  // through shared memory, 16 bytes per lane
+    St* const og = MODE == 0 ? static_cast<St*>(p.o) + (ci.bos * p.HV + hv) * p.V + vt0 * TW : nullptr;
+    auto stage_o = [&] {  // through shared memory, to leave 16 bytes per lane
 #pragma unroll
       for (int nt = 0; nt < NO; ++nt)
 #pragma unroll
@@ -363,17 +386,8 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
           const int i = t0 + 8 * nt + 2 * q + (e & 1), vloc = vr * 16 + g8 + 8 * (e >> 1);
           Os[i * LDT + cw + vloc] = from_f<St>(acc_o[nt][e]);
         }
-      __syncthreads();
-      constexpr int EPV = 16 / sizeof(St), VPR = TW * WGS / EPV;
-      St* og = static_cast<St*>(p.o) + (ci.bos * p.HV + hv) * p.V + vt0 * TW;
-      for (int idx = tid; idx < C * VPR; idx += NT) {
-        const int r = idx / VPR, cv = idx % VPR;
-        if (r < ci.len)
-          *reinterpret_cast<int4*>(og + static_cast<int64_t>(r) * p.HV * p.V + cv * EPV) =
-              *reinterpret_cast<const int4*>(Os + r * LDT + cv * EPV);
-      }
     };
-    if (out) {
+    auto scale_o = [&] {  // the S^T Q^T part by scale e^gam
 #pragma unroll
       for (int nt = 0; nt < NO; ++nt)
 #pragma unroll
@@ -381,9 +395,10 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
           const int j = t0 + 8 * nt + 2 * q + (e & 1);
           acc_o[nt][e] *= p.scale * (F::WG ? eg[j] : __expf(gs[j]));
         }
-    }
+    };
     if constexpr (!F::WG) {
       if (out) {
+        scale_o();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           const FragA<St> a = frag_a_from_c<St>(vn[2 * kk], vn[2 * kk + 1], p.scale);
@@ -395,7 +410,9 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
             mma<St>(acc_o[2 * np + 1], a, b[1]);
           }
         }
-        emit_o();
+        stage_o();
+        __syncthreads();
+        copy_o(og, ci.len);
       }
     }
 
@@ -437,6 +454,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 0>(o2, va[kk], sw128_desc(As + 16 * kk, 16), kk > 0);
         wg_commit();
+        if (out) scale_o();  // (while the two products run)
       }
       wg_wait<0>();
       wg_fence_acc(S);
@@ -446,8 +464,12 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc_o[nt][e] += o2[nt][e];
+        if (out) {  // copied out during the next chunk (or after the last one), past the barriers between
+          stage_o();
+          pend_og = og;
+          pend_len = ci.len;
+        }
       }
-      if (out) emit_o();
     } else {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
@@ -464,6 +486,9 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
     __syncthreads();
   }
 
+  if constexpr (DEFER_O) {
+    if (pend_len > 0) copy_o(pend_og, pend_len);  // (staged before the last chunk's closing barrier)
+  }
   if (run.fin) store_state_tile<K, KW, TW>(p, S, MODE == 2, u, un.n, hv, vt, vr, ks, g8, q);
 }
 
