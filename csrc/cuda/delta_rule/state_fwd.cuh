@@ -188,6 +188,8 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
     float* egl = gs + 2 * C;    // e^{gam_L - gam}
     const ChunkInfo ci = chunk_info(p, c, un.n);
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+    const int64_t row0 = chv * p.V + vt * TW + vr * 16;  // (mode 1) this warp's first row of hT / Vn^T
+    auto store_ht = [&] { store_frag_rows<St, KW / 8>(static_cast<St*>(p.hT) + row0 * K + ks * KW, K, S, g8, q); };
 
     // S^T W^T (and S^T Q^T) over this warp's half of K
     float acc[2][8][4];
@@ -220,6 +222,9 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
           issue(c + 1, buf ^ 1);
           cp_async_commit();
         }
+      }
+      if constexpr (MODE == 1) {
+        if (c >= run.ob) store_ht();  // (S^T itself is not an operand: the products read its converted copy)
       }
       if constexpr (DEFER_O) {
         // also while the products run: the last chunk's output, staged in Os before the barrier that opened this
@@ -311,6 +316,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
 
     // Vn^T = U^T - S^T W^T
     float vn[8][4];
+    auto store_vnt = [&] { store_frag_rows<St, 8>(static_cast<St*>(p.VnT) + row0 * C, C, vn, g8, q); };
     if constexpr (F::WG) {
       // X^T = V^T - (K S)^T diag(e^gam) (V^T by ldmatrix.trans, as U^T below), then Vn^T = X^T (Tm diag(beta))^T
       FragA<St> xa[4];
@@ -366,10 +372,9 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
         }
     }
 
-    if (MODE == 1 && c >= run.ob) {
-      const int v0 = vt * TW + vr * 16;
-      store_frag_rows<St, KW / 8>(static_cast<St*>(p.hT) + (chv * p.V + v0) * K + ks * KW, K, S, g8, q);
-      if (ks == 0) store_frag_rows<St, 8>(static_cast<St*>(p.VnT) + (chv * p.V + v0) * C, C, vn, g8, q);
+    if (!F::WG && MODE == 1 && c >= run.ob) {  // (on warpgroup products: while the products run, above and below)
+      store_ht();
+      if (ks == 0) store_vnt();
     }
 
     // O^T of this warp's tokens t0 .. t0 + 8 NO - 1 (all 64 unless K is split over a warp pair); warm-up chunks
@@ -445,6 +450,9 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(S, ka[kk], sw128_desc(Ks + 16 * kk * 64, F::KQ_BYTES / (K / 64)), 1);
       wg_commit();
+      if constexpr (MODE == 1) {
+        if (c >= run.ob) store_vnt();
+      }
       float o2[8][4];
       if constexpr (MODE == 0) {  // (warm-up chunks too: no branch between the fence and the products)
         FragA<St> va[4];

@@ -148,7 +148,9 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
 
     const int64_t row0 = chv * p.V + vt * TW + vr * 16;  // this warp's first row of dhT / dVn^T
-    if (MODE == 0 && out) store_frag_rows<St, KW / 8>(static_cast<St*>(p.dhT) + row0 * K + ks * KW, K, dS, g8, q);
+    auto store_dht = [&] { store_frag_rows<St, KW / 8>(static_cast<St*>(p.dhT) + row0 * K + ks * KW, K, dS, g8, q); };
+    // (on warpgroup products the stores go out while the products run, below)
+    if (!F::WG && MODE == 0 && out) store_dht();
 
     // dS'^T K^T over this warp's half of K, and dO^T A
     float acc1[8][4], acc2[8][4];
@@ -173,6 +175,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
           cp_async_commit();
         }
       }
+      if (out) store_dht();  // (dS'^T itself is not an operand: the products read its converted copy)
       // meanwhile e^gam and e^{gam_L - gam} of the chunk to shared memory, once per CTA instead of per thread and use
       if (tid < C) {
         eg[tid] = __expf(gs[tid]);
@@ -235,8 +238,8 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
         const int j = 8 * nt + 2 * q + (e & 1);
         dvn[nt][e] = p.scale * acc1[nt][e] + (F::WG ? egl[j] : __expf(gl - gs[j])) * acc2[nt][e];
       }
-    if (MODE == 0 && ks == 0 && out)
-      store_frag_rows<St, 8>(static_cast<St*>(p.dVnT) + row0 * C, C, dvn, g8, q);
+    auto store_dvn = [&] { store_frag_rows<St, 8>(static_cast<St*>(p.dVnT) + row0 * C, C, dvn, g8, q); };
+    if (!F::WG && MODE == 0 && ks == 0 && out) store_dvn();
 
     // dS^T <- e^{gam_L} dS'^T - dVn^T W + dO^T diag(scale e^gam) Q
     const float dl = __expf(gl);
@@ -263,6 +266,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(dS, qa[kk], sw128_desc(Qs + 16 * kk * 64, 64 * 128), 1);
       wg_commit();
+      if (out) store_dvn();
       wg_wait<1>();
       wg_fence_acc(y);
 #pragma unroll
