@@ -301,6 +301,29 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
     }
 }
 
+// Sums of N values (a power of two) over lanes xor M, 2M, .. 16, halving the values exchanged at each step: lane L
+// keeps the half that its bit M selects (k: the index of its first value) and adds lane L ^ M's sums of that half;
+// with one value left, plain butterfly steps. Each sum adds the same two operands as full butterflies would.
+template <int N, int M>
+__device__ __forceinline__ void warp_sums_halving(float* v, int lane, int& k) {
+  if constexpr (M <= 16) {
+    if constexpr (N > 1) {
+      constexpr int H = N / 2;
+      const bool up = (lane & M) != 0;
+#pragma unroll
+      for (int j = 0; j < H; ++j) {
+        const float send = up ? v[j] : v[j + H], keep = up ? v[j + H] : v[j];
+        v[j] = keep + __shfl_xor_sync(0xffffffffu, send, M);
+      }
+      if (up) k += H;
+      warp_sums_halving<H, 2 * M>(v, lane, k);
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], M);
+      warp_sums_halving<1, 2 * M>(v, lane, k);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // 16-bit inputs: the same work items and pipeline of steps, the products as warpgroup products (wgmma.cuh). Warpgroup
 // 0 holds dA and scale dO S^T and then dQ; warpgroup 1 holds dW and Vn dS'^T and then dK1, each as full 64 x 64
@@ -414,6 +437,10 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
   float acc0[8][4], acc1[8][4], run[8][4];
   zero_acc(run);
   float sdot = 0.f;
+  // (dA o E and the column sums of the tiles above a warp's diagonal stay zero)
+  for (int x = tid; x < C * LDC * static_cast<int>(sizeof(St)) / 16; x += 256)
+    reinterpret_cast<uint4*>(dAEs)[x] = make_uint4(0u, 0u, 0u, 0u);
+  if (kb == 0) colB[tid] = 0.f;
 
   int cgi = 0, cvt = 0, cst = 0;  // (gi, vt, stage) of the step computed next
 #pragma unroll 1
@@ -485,67 +512,108 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
     const St* As = Aslots + (gi % NA) * C * LDC;
     const float* gam = gslots + (gi % NA) * 64;
     const float gL = gam[C - 1];
+    // q and k pairs of row i and column 8 nt + 2q: sw128 offset rq ^ (nt << 4) (the row's swizzle is g8; row i + 8:
+    // 1024 bytes on, the same swizzle)
+    const int rq = (16 * rg + g8) * 128 + ((g8 << 4) | (4 * q));
+    // a packed pair as floats (bf16: the bits moved, one instruction each)
+    auto pair = [](uint32_t u) {
+      if constexpr (std::is_same_v<St, __half>) return unpack2<St>(u);
+      else return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+    };
     if (wg == 0) {
-      float rA[2] = {0.f, 0.f}, cB[8][2];
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        cB[nt][0] = cB[nt][1] = 0.f;
+      const St* Ar = As + (16 * rg + g8) * LDC + 2 * q;
+      // Specialised per warp (RG: its row block), so that only the two column tiles crossing the diagonal test
+      // i >= j, and on kb (A0: kb == 0, with the A terms). Above them dA o E is zero and A holds +0 (prep): their
+      // terms fma(+0, +0, r) are r + 0 in rA (kept: -0 becomes +0) and +0 in cB, and dAEs and colB hold those zeros
+      // from the start. The crossing tiles keep every term (A's entries above the diagonal there are +-0).
+      auto terms = [&](auto rgc, auto a0c) {
+        constexpr int RG = decltype(rgc)::value, NL = 2 * RG + 2;  // column tiles at or below the diagonal
+        constexpr int NB = RG < 2 ? 2 * NL : 16;                     // column sums reduced (a power of two)
+        constexpr bool A0 = decltype(a0c)::value;
+        float gi[2], fq[2], rA[2] = {0.f, 0.f}, cB[NB];
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-          const int i = 16 * rg + g8 + 8 * hr, col0 = 8 * nt + 2 * q;
-          const float gi_ = gam[i];
-          const float fq = p.scale * __expf(gi_);
-          const float2 qv = sw128_get2<St>(qs, i, col0);
+          gi[hr] = gam[16 * RG + g8 + 8 * hr];
+          fq[hr] = p.scale * __expf(gi[hr]);
+        }
 #pragma unroll
-          for (int e1 = 0; e1 < 2; ++e1) {
-            const int e = 2 * hr + e1, col = col0 + e1;
-            const bool low = i >= col;
-            const float dav = low ? p.scale * acc0[nt][e] : 0.f;
-            const float E = low ? __expf(gi_ - gam[col]) : 0.f;
-            if (kb == 0) {
-              const float t = dav * to_f<St>(As[i * LDC + col]);
-              rA[hr] += t;
-              cB[nt][e1] += t;
+        for (int nt = 0; nt < 8; ++nt) {
+          const float2 gj = nt < NL ? *reinterpret_cast<const float2*>(gam + 8 * nt + 2 * q) : float2{};
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int i = 16 * RG + g8 + 8 * hr, col0 = 8 * nt + 2 * q;
+            const float2 qv = pair(*reinterpret_cast<const uint32_t*>(qs + (rq ^ (nt << 4)) + 1024 * hr));
+            const float2 av =
+                A0 && nt < NL ? pair(*reinterpret_cast<const uint32_t*>(Ar + 8 * hr * LDC + 8 * nt)) : float2{};
+#pragma unroll
+            for (int e1 = 0; e1 < 2; ++e1) {
+              const int e = 2 * hr + e1, c2 = 2 * nt + e1;
+              if (nt < NL) {
+                float dav = p.scale * acc0[nt][e], E = __expf(gi[hr] - (e1 ? gj.y : gj.x));
+                if (nt >= 2 * RG) {
+                  const bool low = i >= col0 + e1;
+                  dav = low ? dav : 0.f;
+                  E = low ? E : 0.f;
+                }
+                if (A0) {  // (the products fused into the sums)
+                  const float a = e1 ? av.y : av.x;
+                  rA[hr] = __fmaf_rn(dav, a, rA[hr]);
+                  cB[c2] = __fmaf_rn(dav, a, hr ? cB[c2] : 0.f);
+                }
+                acc0[nt][e] = dav * E;  // dA o E
+              } else {
+                if (A0) rA[hr] = __fadd_rn(rA[hr], 0.f);
+                if (c2 < NB) cB[c2] = 0.f;
+                acc0[nt][e] = 0.f;
+              }
+              const float dqs = fq[hr] * acc1[nt][e];
+              rA[hr] = __fmaf_rn(e1 ? qv.y : qv.x, dqs, rA[hr]);
+              run[nt][e] += dqs;
             }
-            acc0[nt][e] = dav * E;  // dA o E
-            const float dqs = fq * acc1[nt][e];
-            rA[hr] += (e1 ? qv.y : qv.x) * dqs;
-            run[nt][e] += dqs;
+            if (nt < 2 * RG + 1 || (nt < NL && hr == 1)) {  // (pairs: a warp's 32 stores in distinct banks)
+              uint32_t y;
+              Pack<St>::put(&y, &y, 0, acc0[nt][2 * hr], acc0[nt][2 * hr + 1]);
+              *reinterpret_cast<uint32_t*>(dAEs + i * LDC + col0) = y;
+            }
           }
         }
-      }
-      store_frag_rows<St, 8>(dAEs + 16 * rg * LDC, LDC, acc0, g8, q);
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        rA[hr] += __shfl_xor_sync(0xffffffffu, rA[hr], 1);
-        rA[hr] += __shfl_xor_sync(0xffffffffu, rA[hr], 2);
-        if (q == 0) rowA[16 * rg + g8 + 8 * hr] = rA[hr];
-      }
-      if (kb == 0) {
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int e1 = 0; e1 < 2; ++e1) {
-            float x = cB[nt][e1];
-            x += __shfl_xor_sync(0xffffffffu, x, 4);
-            x += __shfl_xor_sync(0xffffffffu, x, 8);
-            x += __shfl_xor_sync(0xffffffffu, x, 16);
-            if (g8 == 0) colB[rg * 64 + 8 * nt + 2 * q + e1] = x;
-          }
-      }
+        for (int hr = 0; hr < 2; ++hr) {
+          rA[hr] += __shfl_xor_sync(0xffffffffu, rA[hr], 1);
+          rA[hr] += __shfl_xor_sync(0xffffffffu, rA[hr], 2);
+          if (q == 0) rowA[16 * RG + g8 + 8 * hr] = rA[hr];
+        }
+        if constexpr (A0) {  // over the warp's rows (lanes xor 4, 8, 16)
+          int k = 0;
+          warp_sums_halving<NB, 4>(cB, lane, k);
+          float* cb = colB + RG * 64 + 8 * (k >> 1) + 2 * q;
+          if constexpr (NB == 16) *reinterpret_cast<float2*>(cb) = make_float2(cB[0], cB[1]);
+          else if (NB == 8 || lane < 16) cb[k & 1] = cB[0];
+        }
+      };
+      auto by_rg = [&](auto a0c) {
+        switch (rg) {
+          case 0: terms(std::integral_constant<int, 0>{}, a0c); break;
+          case 1: terms(std::integral_constant<int, 1>{}, a0c); break;
+          case 2: terms(std::integral_constant<int, 2>{}, a0c); break;
+          default: terms(std::integral_constant<int, 3>{}, a0c);
+        }
+      };
+      if (kb == 0) by_rg(std::true_type{});
+      else by_rg(std::false_type{});
     } else {
-      float rK[2] = {0.f, 0.f};
+      float rK[2] = {0.f, 0.f}, fk[2];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) fk[hr] = __expf(gL - gam[16 * rg + g8 + 8 * hr]);
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-          const int i = 16 * rg + g8 + 8 * hr;
-          const float fk = __expf(gL - gam[i]);
-          const float2 kv = sw128_get2<St>(ksm, i, 8 * nt + 2 * q);
+          const float2 kv = pair(*reinterpret_cast<const uint32_t*>(ksm + (rq ^ (nt << 4)) + 1024 * hr));
 #pragma unroll
           for (int e1 = 0; e1 < 2; ++e1) {
             const int e = 2 * hr + e1;
-            const float dkt = fk * acc1[nt][e];
+            const float dkt = fk[hr] * acc1[nt][e];
             rK[hr] += (e1 ? kv.y : kv.x) * dkt;
             run[nt][e] += dkt;
             acc0[nt][e] = -acc0[nt][e];  // dW = -dVn S^T
