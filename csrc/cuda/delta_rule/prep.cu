@@ -34,6 +34,33 @@ struct PrepSmem {
   static constexpr int kMinBlocks = (sizeof(St) == 2 && K <= 128) ? 3 : 2;
 };
 
+// one 16-byte store to global memory, written out: the compiler splits a uint4 store into words and does not
+// always merge them back
+__device__ __forceinline__ void st16_global(void* p, uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(__cvta_generic_to_global(p)), "r"(x), "r"(y), "r"(z),
+               "r"(w));
+}
+// st8 to global memory
+template <class St> __device__ __forceinline__ void st8_global(St* p, const float (&x)[8]) {
+  if constexpr (sizeof(St) == 4) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      st16_global(p + 4 * h, __float_as_uint(x[4 * h]), __float_as_uint(x[4 * h + 1]), __float_as_uint(x[4 * h + 2]),
+                  __float_as_uint(x[4 * h + 3]));
+  } else {
+    uint32_t y[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) Pack<St>::put(y, y, t, x[2 * t], x[2 * t + 1]);
+    st16_global(p, y[0], y[1], y[2], y[3]);
+  }
+}
+
+// f(std::true_type) or f(std::false_type), as b
+template <class F> __device__ __forceinline__ void with_flag(bool b, F&& f) {
+  if (b) f(std::true_type{});
+  else f(std::false_type{});
+}
+
 template <class St, int K>
 __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(const Params p) {
   using S = PrepSmem<St, K>;
@@ -80,16 +107,29 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
   cp_async_wait<0>();
   __syncthreads();
   if (p.lnorm != nullptr) {
-    // |k_i|^2 in fp32, two threads per row (padded rows are zero)
-    const int r = tid >> 1, j0 = (tid & 1) * (K / 2);
+    // |k_i|^2 in fp32, two threads per row (padded rows are zero), each summing its half in order; 16-byte loads,
+    // the eight lanes of a load phase on eight rows (lanes l and l ^ 8 share a row) so that no two share a bank
+    constexpr int E = 16 / sizeof(St);
+    const int r = (tid & 7) | ((tid >> 4) << 3), j0 = ((tid >> 3) & 1) * (K / 2);
+    const uint4* kr = reinterpret_cast<const uint4*>(Ks + r * LDK + j0);
     float s = 0.f;
-#pragma unroll 8
-    for (int j = j0; j < j0 + K / 2; ++j) {
-      const float x = to_f<St>(Ks[r * LDK + j]);
-      s = fmaf(x, x, s);
+#pragma unroll 4
+    for (int v = 0; v < K / 2 / E; ++v) {
+      const uint4 w = kr[v];
+#pragma unroll
+      for (int u = 0; u < E; ++u) {
+        float x;
+        if constexpr (std::is_same_v<St, __nv_bfloat16>) {  // the exact widening, one instruction per element
+          const uint32_t b = (&w.x)[u / 2];
+          x = __uint_as_float(u % 2 == 0 ? b << 16 : b & 0xffff0000u);
+        } else {
+          x = to_f<St>(reinterpret_cast<const St*>(&w)[u]);
+        }
+        s = fmaf(x, x, s);
+      }
     }
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
-    if ((tid & 1) == 0) kn[r] = s;
+    s += __shfl_xor_sync(0xffffffffu, s, 8);
+    if (j0 == 0) kn[r] = s;
   }
   float kk[8][4], qk[8][4];
   zero_acc(kk);
@@ -150,21 +190,25 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
       auto terms = [&](auto wr) {
         constexpr int WR = decltype(wr)::value;
         float av[8][4];
+        float gi[2], bi[2];
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-          const int i = 16 * WR + g8 + 8 * hr;
-          const float gi = gam[i], bi = bet[i];
+          gi[hr] = gam[16 * WR + g8 + 8 * hr];
+          bi[hr] = bet[16 * WR + g8 + 8 * hr];
+        }
 #pragma unroll
-          for (int nt = 0; nt < 8; ++nt) {
-            float* a = av[nt] + 2 * hr;
-            if (nt > 2 * WR + 1) {
-              a[0] = a[1] = 0.f;
-              continue;
-            }
-            const int j = 8 * nt + 2 * q;
-            const float2 gj = *reinterpret_cast<const float2*>(gam + j);
-            float E0 = __expf(gi - gj.x), E1 = __expf(gi - gj.y);
-            float m0 = bi * kk[nt][2 * hr] * E0, m1 = bi * kk[nt][2 * hr + 1] * E1;
+        for (int nt = 0; nt < 8; ++nt) {
+          if (nt > 2 * WR + 1) {
+            av[nt][0] = av[nt][1] = av[nt][2] = av[nt][3] = 0.f;
+            continue;
+          }
+          const int j = 8 * nt + 2 * q;
+          const float2 gj = *reinterpret_cast<const float2*>(gam + j);  // (both row halves)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int i = 16 * WR + g8 + 8 * hr;
+            float E0 = __expf(gi[hr] - gj.x), E1 = __expf(gi[hr] - gj.y);
+            float m0 = bi[hr] * kk[nt][2 * hr] * E0, m1 = bi[hr] * kk[nt][2 * hr + 1] * E1;
             if (nt >= 2 * WR) {  // the diagonal's column tiles
               E0 = i >= j ? E0 : 0.f;
               E1 = i > j ? E1 : 0.f;
@@ -172,11 +216,28 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
               m1 = i > j + 1 ? m1 : 0.f;
             }
             *reinterpret_cast<float2*>(Mf + i * LDF + j) = make_float2(m0, m1);
-            a[0] = qk[nt][2 * hr] * E0;
-            a[1] = qk[nt][2 * hr + 1] * E1;
+            av[nt][2 * hr] = qk[nt][2 * hr] * E0;
+            av[nt][2 * hr + 1] = qk[nt][2 * hr + 1] * E1;
           }
         }
-        store_frag_rows<St, 8>(static_cast<St*>(p.A) + (chv * C + 16 * WR) * C, C, av, g8, q);
+        St* Ag = static_cast<St*>(p.A) + (chv * C + 16 * WR) * C;
+        if constexpr (WR <= 1) {
+          // columns 32..63 are all zero: stored as such, without the exchange of store_frag_rows
+          float lo[4][4];
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) lo[nt][e] = av[nt][e];
+          store_frag_rows<St, 4>(Ag, C, lo, g8, q);
+          constexpr int EV = 16 / sizeof(St);  // elements per 16 bytes
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+            for (int t = 0; t < 32 / EV / 4; ++t)
+              st16_global(Ag + (g8 + 8 * hr) * C + 32 + EV * (q + 4 * t), 0u, 0u, 0u, 0u);
+        } else {
+          store_frag_rows<St, 8>(Ag, C, av, g8, q);
+        }
       };
       switch (warp) {
         case 0: terms(std::integral_constant<int, 0>{}); break;
@@ -189,30 +250,49 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
     block_inverse(Mf, Tf, Pf, tid);
 
     // Tm diag(beta) (and Tm) to memory, and for W and U Tm diag(beta) and Tm diag(beta e^gam) as operand tiles
-    // (where Q was): eight columns, 16 bytes, per thread and step
+    // (where Q was): eight columns, 16 bytes, per thread and step; a thread's columns, and so its beta factors, are
+    // the same at every step. The outputs present are compile-time flags of one loop body chosen per kernel.
     St* TmB = R1;
     St* TmBG = R1 + C * LDC;
-    St* Tmg = p.Tm != nullptr ? static_cast<St*>(p.Tm) + chv * C * C : nullptr;
-    St* TmBg = p.TmB != nullptr ? static_cast<St*>(p.TmB) + chv * C * C : nullptr;
+    auto store_tm = [&](auto tm, auto tmb, auto wu) {
+      constexpr bool TM = decltype(tm)::value, TMB = decltype(tmb)::value, WU = decltype(wu)::value;
+      // per-thread row pointers, advanced 16 rows a step (Tmg, TmBg: not formed where null)
+      const int i0 = tid >> 3, j = 8 * (tid & 7);
+      const float* tf = Tf + i0 * LDF + j;
+      St* Tmg = TM ? static_cast<St*>(p.Tm) + chv * C * C + i0 * C + j : nullptr;
+      St* TmBg = TMB ? static_cast<St*>(p.TmB) + chv * C * C + i0 * C + j : nullptr;
+      St* tbs = TmB + i0 * LDC + j;
+      St* tgs = TmBG + i0 * LDC + j;
+      float bj[8], gj[8];
+      ld8(bet + j, bj);
+      if constexpr (WU) ld8(beg + j, gj);
 #pragma unroll 2
-    for (int e = tid; e < C * C / 8; e += 128) {
-      const int i = e >> 3, j = 8 * (e & 7);
-      float t[8], tb[8];
-      ld8(Tf + i * LDF + j, t);
-      ld8(bet + j, tb);
+      for (int s = 0; s < C * C / 8 / 128; ++s) {
+        float t[8], tb[8];
+        ld8(tf, t);
 #pragma unroll
-      for (int u = 0; u < 8; ++u) tb[u] *= t[u];
-      if (Tmg != nullptr) st8<St>(Tmg + i * C + j, t);
-      if (TmBg != nullptr) st8<St>(TmBg + i * C + j, tb);
-      if (p.W != nullptr) {
-        st8<St>(TmB + i * LDC + j, tb);
-        float tg[8];
-        ld8(beg + j, tg);
+        for (int u = 0; u < 8; ++u) tb[u] = bj[u] * t[u];
+        if constexpr (TM) st8_global<St>(Tmg, t);
+        if constexpr (TMB) st8_global<St>(TmBg, tb);
+        if constexpr (WU) {
+          st8<St>(tbs, tb);
+          float tg[8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) tg[u] *= t[u];
-        st8<St>(TmBG + i * LDC + j, tg);
+          for (int u = 0; u < 8; ++u) tg[u] = gj[u] * t[u];
+          st8<St>(tgs, tg);
+        }
+        tf += 16 * LDF;
+        if constexpr (TM) Tmg += 16 * C;
+        if constexpr (TMB) TmBg += 16 * C;
+        tbs += 16 * LDC;
+        tgs += 16 * LDC;
       }
-    }
+    };
+    with_flag(p.Tm != nullptr, [&](auto tm) {
+      with_flag(p.TmB != nullptr, [&](auto tmb) {
+        with_flag(p.W != nullptr, [&](auto wu) { store_tm(tm, tmb, wu); });
+      });
+    });
     if (tid < C) p.gam[chv * C + tid] = gam[tid];
     __syncthreads();
     if (p.W == nullptr) continue;  // the state passes form W and U from TmB (forms_wu)
