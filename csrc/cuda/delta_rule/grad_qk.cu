@@ -301,29 +301,6 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
     }
 }
 
-// Sums of N values (a power of two) over lanes xor M, 2M, .. 16, halving the values exchanged at each step: lane L
-// keeps the half that its bit M selects (k: the index of its first value) and adds lane L ^ M's sums of that half;
-// with one value left, plain butterfly steps. Each sum adds the same two operands as full butterflies would.
-template <int N, int M>
-__device__ __forceinline__ void warp_sums_halving(float* v, int lane, int& k) {
-  if constexpr (M <= 16) {
-    if constexpr (N > 1) {
-      constexpr int H = N / 2;
-      const bool up = (lane & M) != 0;
-#pragma unroll
-      for (int j = 0; j < H; ++j) {
-        const float send = up ? v[j] : v[j + H], keep = up ? v[j + H] : v[j];
-        v[j] = keep + __shfl_xor_sync(0xffffffffu, send, M);
-      }
-      if (up) k += H;
-      warp_sums_halving<H, 2 * M>(v, lane, k);
-    } else {
-      v[0] += __shfl_xor_sync(0xffffffffu, v[0], M);
-      warp_sums_halving<1, 2 * M>(v, lane, k);
-    }
-  }
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // 16-bit inputs: the same work items and pipeline of steps, the products as warpgroup products (wgmma.cuh). Warpgroup
 // 0 holds dA and scale dO S^T and then dQ; warpgroup 1 holds dW and Vn dS'^T and then dK1, each as full 64 x 64
@@ -370,57 +347,26 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
   const int64_t HK = static_cast<int64_t>(p.H) * K;
   const int nvt = V / 64, nsteps = p.G * nvt;
 
-  // Step s is V tile vt = s % nvt of value head gi = s / nvt, in stage s % STAGES (all three counted, not divided).
-  // In every tensor a step's tiles follow the previous step's a constant stride on (a head's V tiles, then the next
-  // head's), and each thread copies the same positions of every 64 x 64 tile: rows r0 and r0 + 32 (r0 = tid / 8) of
-  // the 16-byte column cv = tid % 8. So its shared offsets are computed once and its sources (row r0) advance by
-  // constants. dO's rows past the chunk are zero-filled (their source address then dO's tile, as in load_tile).
-  const int r0 = tid >> 3, cv = tid & 7;
-  const uint32_t s_sw = smem_u32(smem) + r0 * 128 + ((cv ^ (r0 & 7)) << 4);  // sw128 (row r0 + 32: same swizzle)
-  const uint32_t s_pd = smem_u32(smem) + 3 * ST + (r0 * LDC + cv * 8) * static_cast<int>(sizeof(St));  // padded
-  constexpr int PROW = 32 * LDC * static_cast<int>(sizeof(St));  // row r0 + 32 of a padded tile
-  const int64_t chv0 = static_cast<int64_t>(c) * p.HV + h * p.G;  // the group's first value head
-  const St* vn = static_cast<const St*>(p.VnT) + chv0 * V * C + 8 * tid;  // (rows of C: r0 C + 8 cv = 8 tid)
-  const St* dvn = static_cast<const St*>(p.dVnT) + chv0 * V * C + 8 * tid;
-  const St* ht = static_cast<const St*>(p.hT) + chv0 * V * K + kb * 64 + r0 * K + cv * 8;
-  const St* dht = static_cast<const St*>(p.dhT) + chv0 * V * K + kb * 64 + r0 * K + cv * 8;
-  const bool do_ok0 = r0 < ci.len, do_ok1 = r0 + 32 < ci.len;
-  const int64_t do_rs = static_cast<int64_t>(p.HV) * V;
-  const int64_t do_off0 = do_ok0 ? r0 * do_rs + cv * 8 : 0;
-  const int64_t do_d1 = (do_ok1 ? (r0 + 32) * do_rs + cv * 8 : 0) - do_off0;  // row r0 + 32 from row r0
-  const St* dO = static_cast<const St*>(p.d_o) + (ci.bos * p.HV + h * p.G) * V + do_off0;
-  int igi = 0, ivt = 0, ist = 0;  // (gi, vt, stage) of the next step to issue
-
-  auto issue_next = [&]() {
-    const uint32_t sw = s_sw + ist * F::STAGE_BYTES, pd = s_pd + ist * F::STAGE_BYTES;
-    cp_async16(sw, vn, true);
-    cp_async16(sw + 4096, vn + 32 * C, true);
-    cp_async16(sw + ST, ht, true);
-    cp_async16(sw + ST + 4096, ht + 32 * K, true);
-    cp_async16(sw + 2 * ST, dht, true);
-    cp_async16(sw + 2 * ST + 4096, dht + 32 * K, true);
-    cp_async16(pd, dO, do_ok0);
-    cp_async16(pd + PROW, dO + do_d1, do_ok1);
-    cp_async16(pd + PT, dvn, true);
-    cp_async16(pd + PT + PROW, dvn + 32 * C, true);
-    if (ivt == 0) {  // the head's A (first K block only) and gam, to slot gi % NA
-      const int64_t chv = chv0 + igi;
-      const int slot = igi % NA;
-      if (kb == 0) {
-        const uint32_t sa = s_pd - 3 * ST + F::A_OFF + slot * PT;  // (padded, like dO's)
-        const St* ag = static_cast<const St*>(p.A) + chv * C * C + 8 * tid;
-        cp_async16(sa, ag, true);
-        cp_async16(sa + PROW, ag + 32 * C, true);
-      }
-      if (tid < 16) cp_async16(gslots + slot * 64 + 4 * tid, p.gam + chv * C + 4 * tid, true);
+  auto issue = [&](int s) {
+    const int gi = s / nvt, vt = s % nvt, hv = h * p.G + gi;
+    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+    unsigned char* b = smem + (s % STAGES) * F::STAGE_BYTES;
+    load_tile_sw128<St, C, C, C, 256>(b, 0, static_cast<const St*>(p.VnT) + (chv * V + vt * 64) * C, C, C, tid);
+    load_tile_sw128<St, C, C, C, 256>(b + ST, 0, static_cast<const St*>(p.hT) + (chv * V + vt * 64) * K + kb * 64,
+                                      K, C, tid);
+    load_tile_sw128<St, C, C, C, 256>(b + 2 * ST, 0,
+                                      static_cast<const St*>(p.dhT) + (chv * V + vt * 64) * K + kb * 64, K, C, tid);
+    load_tile<St, C, C, 256>(reinterpret_cast<St*>(b + 3 * ST), LDC,
+                             static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * V + vt * 64,
+                             static_cast<int64_t>(p.HV) * V, ci.len, tid);
+    load_tile<St, C, C, 256>(reinterpret_cast<St*>(b + 3 * ST + PT), LDC,
+                             static_cast<const St*>(p.dVnT) + (chv * V + vt * 64) * C, C, C, tid);
+    if (vt == 0) {
+      if (kb == 0)
+        load_tile<St, C, C, 256>(Aslots + (gi % NA) * C * LDC, LDC, static_cast<const St*>(p.A) + chv * C * C, C, C,
+                                 tid);
+      if (tid < 16) cp_async16(gslots + (gi % NA) * 64 + 4 * tid, p.gam + chv * C + 4 * tid, true);
     }
-    vn += 64 * C;
-    dvn += 64 * C;
-    ht += 64 * K;
-    dht += 64 * K;
-    dO += 64;
-    ist = ist == STAGES - 1 ? 0 : ist + 1;
-    if (++ivt == nvt) ivt = 0, ++igi;
   };
 
   load_tile_sw128<St, C, C, C, 256>(qs, 0, static_cast<const St*>(p.q) + ci.bos * HK + h * K + kb * 64, HK, ci.len,
@@ -429,7 +375,7 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
                                     tid);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {  // (q and k ride with step 0)
-    if (s < nsteps) issue_next();
+    if (s < nsteps) issue(s);
     cp_async_commit();
   }
 
@@ -437,54 +383,42 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
   float acc0[8][4], acc1[8][4], run[8][4];
   zero_acc(run);
   float sdot = 0.f;
-  // (dA o E and the column sums of the tiles above a warp's diagonal stay zero)
-  for (int x = tid; x < C * LDC * static_cast<int>(sizeof(St)) / 16; x += 256)
-    reinterpret_cast<uint4*>(dAEs)[x] = make_uint4(0u, 0u, 0u, 0u);
-  if (kb == 0) colB[tid] = 0.f;
 
-  int cgi = 0, cvt = 0, cst = 0;  // (gi, vt, stage) of the step computed next
 #pragma unroll 1
   for (int s = 0; s < nsteps; ++s) {
-    const int gi = cgi, vt = cvt, st = cst, hv = h * p.G + gi;
-    cst = st == STAGES - 1 ? 0 : st + 1;
-    if (++cvt == nvt) cvt = 0, ++cgi;
+    const int gi = s / nvt, vt = s % nvt, hv = h * p.G + gi;
+    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
     cp_async_wait<STAGES - 2>();  // step s has landed (one group per step after it)
     fence_async_smem();           // its tiles are read by wgmma next
     __syncthreads();              // ... for every thread; and every thread is done with step s - 1's stage
-    if (s + STAGES - 1 < nsteps) issue_next();
+    if (s + STAGES - 1 < nsteps) issue(s + STAGES - 1);
     cp_async_commit();  // (an empty group past the last step keeps the count)
     if (vt == 0) sdot = 0.f;
-    const unsigned char* b = smem + st * F::STAGE_BYTES;
+    const unsigned char* b = smem + (s % STAGES) * F::STAGE_BYTES;
     const unsigned char* VnTs = b;
     const unsigned char* hTs = b + ST;
     const unsigned char* dhTs = b + 2 * ST;
     const St* dOs = reinterpret_cast<const St*>(b + 3 * ST);
     const St* dVnTs = reinterpret_cast<const St*>(b + 3 * ST + PT);
 
-    // this V tile's products, accumulated over the head's V tiles (the first one overwrites). Both warpgroups issue
-    // the same products on operands chosen by warpgroup (a branch around them would serialize the products):
+    // this V tile's products, accumulated over the head's V tiles (the first one overwrites). Both warpgroups run
+    // the same instructions on operands chosen by warpgroup (a branch around them would serialize the products):
     // warpgroup 0: acc0 = dO Vn^T, acc1 = dO S^T;  warpgroup 1: acc0 = dVn S^T, acc1 = Vn dS'^T
-    // B: d0 = hT (warpgroup 1) or Vn^T, d1 the tile after it (dhT or hT). The k16 steps add to the descriptors'
-    // low words only (shared addresses stay below 256 KB: no carry into the high word, a constant).
-    const uint32_t d0 = static_cast<uint32_t>(sw128_desc(VnTs + wg * ST, ST)), d1 = d0 + (ST >> 4);
-    const uint64_t dhi = sw128_desc(VnTs, ST) & ~0xFFFFFFFFull;
-    // A: loaded by warpgroup (only the loads branch, not the products)
+    const uint64_t d0 = sw128_desc(wg ? hTs : VnTs, ST), d1 = sw128_desc(wg ? dhTs : hTs, ST);
     FragA<St> a0[4], a1[4];
-    if (wg == 0) {
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) a0[kk] = a1[kk] = lda<St>(dOs, LDC, 16 * rg, 16 * kk);
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        a0[kk] = lda_t<St>(dVnTs, LDC, 16 * rg, 16 * kk);
-        a1[kk] = lda_t_sw128<St>(VnTs, 16 * rg, 16 * kk);
-      }
+    for (int kk = 0; kk < 4; ++kk) {
+      const FragA<St> a_do = lda<St>(dOs, LDC, 16 * rg, 16 * kk);
+      const FragA<St> a_dvn = lda_t<St>(dVnTs, LDC, 16 * rg, 16 * kk);
+      const FragA<St> a_vn = lda_t_sw128<St>(VnTs, 16 * rg, 16 * kk);
+      a0[kk] = wg ? a_dvn : a_do;
+      a1[kk] = wg ? a_vn : a_do;
     }
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      wgmma_rs<St, 1>(acc0, a0[kk], dhi | (d0 + kk * (2048 >> 4)), vt > 0 || kk > 0);
-      wgmma_rs<St, 1>(acc1, a1[kk], dhi | (d1 + kk * (2048 >> 4)), vt > 0 || kk > 0);
+      wgmma_rs<St, 1>(acc0, a0[kk], d0 + kk * (2048 >> 4), vt > 0 || kk > 0);
+      wgmma_rs<St, 1>(acc1, a1[kk], d1 + kk * (2048 >> 4), vt > 0 || kk > 0);
     }
     wg_commit();
     // sum(hT o dhT) meanwhile: the two sw128 tiles share one layout, so equal byte offsets hold equal positions
@@ -512,114 +446,73 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
     const St* As = Aslots + (gi % NA) * C * LDC;
     const float* gam = gslots + (gi % NA) * 64;
     const float gL = gam[C - 1];
-    // q and k pairs of row i and column 8 nt + 2q: sw128 offset rq ^ (nt << 4) (the row's swizzle is g8; row i + 8:
-    // 1024 bytes on, the same swizzle)
-    const int rq = (16 * rg + g8) * 128 + ((g8 << 4) | (4 * q));
-    // a packed pair as floats (bf16: the bits moved, one instruction each)
-    auto pair = [](uint32_t u) {
-      if constexpr (std::is_same_v<St, __half>) return unpack2<St>(u);
-      else return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
-    };
     if (wg == 0) {
-      const St* Ar = As + (16 * rg + g8) * LDC + 2 * q;
-      // Specialised per warp (RG: its row block), so that only the two column tiles crossing the diagonal test
-      // i >= j, and on kb (A0: kb == 0, with the A terms). Above them dA o E is zero and A holds +0 (prep): their
-      // terms fma(+0, +0, r) are r + 0 in rA (kept: -0 becomes +0) and +0 in cB, and dAEs and colB hold those zeros
-      // from the start. The crossing tiles keep every term (A's entries above the diagonal there are +-0).
-      auto terms = [&](auto rgc, auto a0c) {
-        constexpr int RG = decltype(rgc)::value, NL = 2 * RG + 2;  // column tiles at or below the diagonal
-        constexpr int NB = RG < 2 ? 2 * NL : 16;                     // column sums reduced (a power of two)
-        constexpr bool A0 = decltype(a0c)::value;
-        float gi[2], fq[2], rA[2] = {0.f, 0.f}, cB[NB];
+      float rA[2] = {0.f, 0.f}, cB[8][2];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        cB[nt][0] = cB[nt][1] = 0.f;
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-          gi[hr] = gam[16 * RG + g8 + 8 * hr];
-          fq[hr] = p.scale * __expf(gi[hr]);
-        }
+          const int i = 16 * rg + g8 + 8 * hr, col0 = 8 * nt + 2 * q;
+          const float gi_ = gam[i];
+          const float fq = p.scale * __expf(gi_);
+          const float2 qv = sw128_get2<St>(qs, i, col0);
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          const float2 gj = nt < NL ? *reinterpret_cast<const float2*>(gam + 8 * nt + 2 * q) : float2{};
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {
-            const int i = 16 * RG + g8 + 8 * hr, col0 = 8 * nt + 2 * q;
-            const float2 qv = pair(*reinterpret_cast<const uint32_t*>(qs + (rq ^ (nt << 4)) + 1024 * hr));
-            const float2 av =
-                A0 && nt < NL ? pair(*reinterpret_cast<const uint32_t*>(Ar + 8 * hr * LDC + 8 * nt)) : float2{};
-#pragma unroll
-            for (int e1 = 0; e1 < 2; ++e1) {
-              const int e = 2 * hr + e1, c2 = 2 * nt + e1;
-              if (nt < NL) {
-                float dav = p.scale * acc0[nt][e], E = __expf(gi[hr] - (e1 ? gj.y : gj.x));
-                if (nt >= 2 * RG) {
-                  const bool low = i >= col0 + e1;
-                  dav = low ? dav : 0.f;
-                  E = low ? E : 0.f;
-                }
-                if (A0) {  // (the products fused into the sums)
-                  const float a = e1 ? av.y : av.x;
-                  rA[hr] = __fmaf_rn(dav, a, rA[hr]);
-                  cB[c2] = __fmaf_rn(dav, a, hr ? cB[c2] : 0.f);
-                }
-                acc0[nt][e] = dav * E;  // dA o E
-              } else {
-                if (A0) rA[hr] = __fadd_rn(rA[hr], 0.f);
-                if (c2 < NB) cB[c2] = 0.f;
-                acc0[nt][e] = 0.f;
-              }
-              const float dqs = fq[hr] * acc1[nt][e];
-              rA[hr] = __fmaf_rn(e1 ? qv.y : qv.x, dqs, rA[hr]);
-              run[nt][e] += dqs;
+          for (int e1 = 0; e1 < 2; ++e1) {
+            const int e = 2 * hr + e1, col = col0 + e1;
+            const bool low = i >= col;
+            const float dav = low ? p.scale * acc0[nt][e] : 0.f;
+            const float E = low ? __expf(gi_ - gam[col]) : 0.f;
+            if (kb == 0) {
+              const float t = dav * to_f<St>(As[i * LDC + col]);
+              rA[hr] += t;
+              cB[nt][e1] += t;
             }
-            if (nt < 2 * RG + 1 || (nt < NL && hr == 1)) {  // (pairs: a warp's 32 stores in distinct banks)
-              uint32_t y;
-              Pack<St>::put(&y, &y, 0, acc0[nt][2 * hr], acc0[nt][2 * hr + 1]);
-              *reinterpret_cast<uint32_t*>(dAEs + i * LDC + col0) = y;
-            }
+            acc0[nt][e] = dav * E;  // dA o E
+            const float dqs = fq * acc1[nt][e];
+            rA[hr] += (e1 ? qv.y : qv.x) * dqs;
+            run[nt][e] += dqs;
           }
         }
+      }
+      store_frag_rows<St, 8>(dAEs + 16 * rg * LDC, LDC, acc0, g8, q);
 #pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          rA[hr] += __shfl_xor_sync(0xffffffffu, rA[hr], 1);
-          rA[hr] += __shfl_xor_sync(0xffffffffu, rA[hr], 2);
-          if (q == 0) rowA[16 * RG + g8 + 8 * hr] = rA[hr];
-        }
-        if constexpr (A0) {  // over the warp's rows (lanes xor 4, 8, 16)
-          int k = 0;
-          warp_sums_halving<NB, 4>(cB, lane, k);
-          float* cb = colB + RG * 64 + 8 * (k >> 1) + 2 * q;
-          if constexpr (NB == 16) *reinterpret_cast<float2*>(cb) = make_float2(cB[0], cB[1]);
-          else if (NB == 8 || lane < 16) cb[k & 1] = cB[0];
-        }
-      };
-      auto by_rg = [&](auto a0c) {
-        switch (rg) {
-          case 0: terms(std::integral_constant<int, 0>{}, a0c); break;
-          case 1: terms(std::integral_constant<int, 1>{}, a0c); break;
-          case 2: terms(std::integral_constant<int, 2>{}, a0c); break;
-          default: terms(std::integral_constant<int, 3>{}, a0c);
-        }
-      };
-      if (kb == 0) by_rg(std::true_type{});
-      else by_rg(std::false_type{});
+      for (int hr = 0; hr < 2; ++hr) {
+        rA[hr] += __shfl_xor_sync(0xffffffffu, rA[hr], 1);
+        rA[hr] += __shfl_xor_sync(0xffffffffu, rA[hr], 2);
+        if (q == 0) rowA[16 * rg + g8 + 8 * hr] = rA[hr];
+      }
+      if (kb == 0) {
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e1 = 0; e1 < 2; ++e1) {
+            float x = cB[nt][e1];
+            x += __shfl_xor_sync(0xffffffffu, x, 4);
+            x += __shfl_xor_sync(0xffffffffu, x, 8);
+            x += __shfl_xor_sync(0xffffffffu, x, 16);
+            if (g8 == 0) colB[rg * 64 + 8 * nt + 2 * q + e1] = x;
+          }
+      }
     } else {
-      float rK[2] = {0.f, 0.f}, fk[2];
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) fk[hr] = __expf(gL - gam[16 * rg + g8 + 8 * hr]);
+      float rK[2] = {0.f, 0.f};
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-          const float2 kv = pair(*reinterpret_cast<const uint32_t*>(ksm + (rq ^ (nt << 4)) + 1024 * hr));
+          const int i = 16 * rg + g8 + 8 * hr;
+          const float fk = __expf(gL - gam[i]);
+          const float2 kv = sw128_get2<St>(ksm, i, 8 * nt + 2 * q);
 #pragma unroll
           for (int e1 = 0; e1 < 2; ++e1) {
             const int e = 2 * hr + e1;
-            const float dkt = fk[hr] * acc1[nt][e];
+            const float dkt = fk * acc1[nt][e];
             rK[hr] += (e1 ? kv.y : kv.x) * dkt;
             run[nt][e] += dkt;
             acc0[nt][e] = -acc0[nt][e];  // dW = -dVn S^T
           }
         }
-      store_frag_rows<St, 8>(static_cast<St*>(p.dW) + ((chv0 + gi) * C + 16 * rg) * K + kb * 64, K, acc0, g8, q);
+      store_frag_rows<St, 8>(static_cast<St*>(p.dW) + (chv * C + 16 * rg) * K + kb * 64, K, acc0, g8, q);
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         rK[hr] += __shfl_xor_sync(0xffffffffu, rK[hr], 1);
