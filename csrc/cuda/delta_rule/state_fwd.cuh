@@ -202,16 +202,15 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
       FragA<St> sa[K / 16];
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk) sa[kk] = frag_a_from_c<St>(S[2 * kk], S[2 * kk + 1]);
-      const St* kq = Ks;
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk)
-        wgmma_rs<St, 0>(acc_vn, sa[kk], sw128_desc(kq + (kk >> 2) * 64 * F::NKQ * 64 + (kk & 3) * 16, 16), kk > 0);
+        wgmma_rs<St, 0>(acc_vn, sa[kk], sw128_desc(Ks + (kk >> 2) * 64 * F::NKQ * 64 + (kk & 3) * 16, 16), kk > 0);
       wg_commit();
       if constexpr (F::WITH_Q) {
 #pragma unroll
         for (int kk = 0; kk < K / 16; ++kk)
-          wgmma_rs<St, 0>(acc_o, sa[kk], sw128_desc(kq + (kk >> 2) * 128 * 64 + 64 * 64 + (kk & 3) * 16, 16),
+          wgmma_rs<St, 0>(acc_o, sa[kk], sw128_desc(Ks + (kk >> 2) * 128 * 64 + 64 * 64 + (kk & 3) * 16, 16),
                           kk > 0);
         wg_commit();
       }
@@ -430,14 +429,9 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
       for (int e = 0; e < 4; ++e) S[nt][e] *= dl;
     auto kfrag = [&](int kk) {  // tokens 16 kk .. 16 kk + 15 of Vn^T diag(e^{gam_L - gam})
       const int j0 = 16 * kk + 2 * q;
-      if constexpr (F::WG) {
-        const float fk[4] = {egl[j0], egl[j0 + 1], egl[j0 + 8], egl[j0 + 9]};
-        return frag_a_from_c_cols<St>(vn[2 * kk], vn[2 * kk + 1], fk);
-      } else {
-        const float fk[4] = {__expf(gl - gs[j0]), __expf(gl - gs[j0 + 1]), __expf(gl - gs[j0 + 8]),
-                             __expf(gl - gs[j0 + 9])};
-        return frag_a_from_c_cols<St>(vn[2 * kk], vn[2 * kk + 1], fk);
-      }
+      auto f = [&](int j) { return F::WG ? egl[j] : __expf(gl - gs[j]); };
+      const float fk[4] = {f(j0), f(j0 + 1), f(j0 + 8), f(j0 + 9)};
+      return frag_a_from_c_cols<St>(vn[2 * kk], vn[2 * kk + 1], fk);
     };
     if constexpr (F::WG) {
       // S^T += (Vn^T diag(e^{gam_L - gam})) K (K N-major), then the output's part (scale Vn^T) A^T (A K-major)
