@@ -51,8 +51,8 @@ __device__ __forceinline__ void inverse_diag_blocks(const float* Mf, float* Tf, 
 }
 
 // The merges in tf32 (TF32 = true): for 16-bit inputs. Tm leaves prep in the input type right after the inverse
-// (Tm, Tm diag(beta)), rounded to 8 (bf16) or 11 (fp16) mantissa bits, and the state passes use it as such; a tf32
-// operand keeps 10 explicit bits, rounded to nearest, so the merges' rounding lies below (bf16) or at (fp16) the
+// (Tm, Tm diag(beta)), rounded to 8 (bf16) or 11 (fp16) significant bits, and the state passes use it as such; a
+// tf32 operand keeps 11 (10 stored), rounded to nearest, so the merges' rounding lies below (bf16) or at (fp16) the
 // storage rounding that follows. fp32 inputs keep Tm in fp32 and their results are compared at ~1e-5: the split
 // products (about 16 bits) stay for them.
 // A merge's intermediate P = C A^-1 stays in registers: a warp forms P^T = (A^-1)^T C^T, whose accumulator pairs
