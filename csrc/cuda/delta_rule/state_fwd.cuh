@@ -496,11 +496,18 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
         }
       }
     }
-    __syncthreads();
+    // The chunk's closing barrier: the next chunk's loads must not overwrite a stage that a thread still reads. The
+    // warpgroup passes with two stages issue those loads after the next chunk's opening barrier, which every thread
+    // reaches only once its products of this chunk are complete, and Os and e^gam are ordered by the barriers
+    // inside the chunk: they need no closing barrier.
+    if constexpr (!(F::WG && F::STAGES == 2)) __syncthreads();
   }
 
   if constexpr (DEFER_O) {
-    if (pend_len > 0) copy_o(pend_og, pend_len);  // (staged before the last chunk's closing barrier)
+    if (pend_len > 0) {  // (staged during the last chunk)
+      if constexpr (F::STAGES == 2) __syncthreads();
+      copy_o(pend_og, pend_len);
+    }
   }
   if (run.fin) store_state_tile<K, KW, TW>(p, S, MODE == 2, u, un.n, hv, vt, vr, ks, g8, q);
 }
