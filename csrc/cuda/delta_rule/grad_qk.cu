@@ -347,26 +347,57 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
   const int64_t HK = static_cast<int64_t>(p.H) * K;
   const int nvt = V / 64, nsteps = p.G * nvt;
 
-  auto issue = [&](int s) {
-    const int gi = s / nvt, vt = s % nvt, hv = h * p.G + gi;
-    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
-    unsigned char* b = smem + (s % STAGES) * F::STAGE_BYTES;
-    load_tile_sw128<St, C, C, C, 256>(b, 0, static_cast<const St*>(p.VnT) + (chv * V + vt * 64) * C, C, C, tid);
-    load_tile_sw128<St, C, C, C, 256>(b + ST, 0, static_cast<const St*>(p.hT) + (chv * V + vt * 64) * K + kb * 64,
-                                      K, C, tid);
-    load_tile_sw128<St, C, C, C, 256>(b + 2 * ST, 0,
-                                      static_cast<const St*>(p.dhT) + (chv * V + vt * 64) * K + kb * 64, K, C, tid);
-    load_tile<St, C, C, 256>(reinterpret_cast<St*>(b + 3 * ST), LDC,
-                             static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * V + vt * 64,
-                             static_cast<int64_t>(p.HV) * V, ci.len, tid);
-    load_tile<St, C, C, 256>(reinterpret_cast<St*>(b + 3 * ST + PT), LDC,
-                             static_cast<const St*>(p.dVnT) + (chv * V + vt * 64) * C, C, C, tid);
-    if (vt == 0) {
-      if (kb == 0)
-        load_tile<St, C, C, 256>(Aslots + (gi % NA) * C * LDC, LDC, static_cast<const St*>(p.A) + chv * C * C, C, C,
-                                 tid);
-      if (tid < 16) cp_async16(gslots + (gi % NA) * 64 + 4 * tid, p.gam + chv * C + 4 * tid, true);
+  // Step s is V tile vt = s % nvt of value head gi = s / nvt, in stage s % STAGES (all three counted, not divided).
+  // In every tensor a step's tiles follow the previous step's a constant stride on (a head's V tiles, then the next
+  // head's), and each thread copies the same positions of every 64 x 64 tile: rows r0 and r0 + 32 (r0 = tid / 8) of
+  // the 16-byte column cv = tid % 8. So its shared offsets are computed once and its sources (row r0) advance by
+  // constants. dO's rows past the chunk are zero-filled (their source address then dO's tile, as in load_tile).
+  const int r0 = tid >> 3, cv = tid & 7;
+  const uint32_t s_sw = smem_u32(smem) + r0 * 128 + ((cv ^ (r0 & 7)) << 4);  // sw128 (row r0 + 32: same swizzle)
+  const uint32_t s_pd = smem_u32(smem) + 3 * ST + (r0 * LDC + cv * 8) * static_cast<int>(sizeof(St));  // padded
+  constexpr int PROW = 32 * LDC * static_cast<int>(sizeof(St));  // row r0 + 32 of a padded tile
+  const int64_t chv0 = static_cast<int64_t>(c) * p.HV + h * p.G;  // the group's first value head
+  const St* vn = static_cast<const St*>(p.VnT) + chv0 * V * C + 8 * tid;  // (rows of C: r0 C + 8 cv = 8 tid)
+  const St* dvn = static_cast<const St*>(p.dVnT) + chv0 * V * C + 8 * tid;
+  const St* ht = static_cast<const St*>(p.hT) + chv0 * V * K + kb * 64 + r0 * K + cv * 8;
+  const St* dht = static_cast<const St*>(p.dhT) + chv0 * V * K + kb * 64 + r0 * K + cv * 8;
+  const bool do_ok0 = r0 < ci.len, do_ok1 = r0 + 32 < ci.len;
+  const int64_t do_rs = static_cast<int64_t>(p.HV) * V;
+  const int64_t do_off0 = do_ok0 ? r0 * do_rs + cv * 8 : 0;
+  const int64_t do_d1 = (do_ok1 ? (r0 + 32) * do_rs + cv * 8 : 0) - do_off0;  // row r0 + 32 from row r0
+  const St* dO = static_cast<const St*>(p.d_o) + (ci.bos * p.HV + h * p.G) * V + do_off0;
+  int igi = 0, ivt = 0, ist = 0;  // (gi, vt, stage) of the next step to issue
+
+  auto issue_next = [&]() {
+    const uint32_t sw = s_sw + ist * F::STAGE_BYTES, pd = s_pd + ist * F::STAGE_BYTES;
+    cp_async16(sw, vn, true);
+    cp_async16(sw + 4096, vn + 32 * C, true);
+    cp_async16(sw + ST, ht, true);
+    cp_async16(sw + ST + 4096, ht + 32 * K, true);
+    cp_async16(sw + 2 * ST, dht, true);
+    cp_async16(sw + 2 * ST + 4096, dht + 32 * K, true);
+    cp_async16(pd, dO, do_ok0);
+    cp_async16(pd + PROW, dO + do_d1, do_ok1);
+    cp_async16(pd + PT, dvn, true);
+    cp_async16(pd + PT + PROW, dvn + 32 * C, true);
+    if (ivt == 0) {  // the head's A (first K block only) and gam, to slot gi % NA
+      const int64_t chv = chv0 + igi;
+      const int slot = igi % NA;
+      if (kb == 0) {
+        const uint32_t sa = s_pd - 3 * ST + F::A_OFF + slot * PT;  // (padded, like dO's)
+        const St* ag = static_cast<const St*>(p.A) + chv * C * C + 8 * tid;
+        cp_async16(sa, ag, true);
+        cp_async16(sa + PROW, ag + 32 * C, true);
+      }
+      if (tid < 16) cp_async16(gslots + slot * 64 + 4 * tid, p.gam + chv * C + 4 * tid, true);
     }
+    vn += 64 * C;
+    dvn += 64 * C;
+    ht += 64 * K;
+    dht += 64 * K;
+    dO += 64;
+    ist = ist == STAGES - 1 ? 0 : ist + 1;
+    if (++ivt == nvt) ivt = 0, ++igi;
   };
 
   load_tile_sw128<St, C, C, C, 256>(qs, 0, static_cast<const St*>(p.q) + ci.bos * HK + h * K + kb * 64, HK, ci.len,
@@ -375,7 +406,7 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
                                     tid);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {  // (q and k ride with step 0)
-    if (s < nsteps) issue(s);
+    if (s < nsteps) issue_next();
     cp_async_commit();
   }
 
@@ -384,41 +415,49 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
   zero_acc(run);
   float sdot = 0.f;
 
+  int cgi = 0, cvt = 0, cst = 0;  // (gi, vt, stage) of the step computed next
 #pragma unroll 1
   for (int s = 0; s < nsteps; ++s) {
-    const int gi = s / nvt, vt = s % nvt, hv = h * p.G + gi;
-    const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+    const int gi = cgi, vt = cvt, st = cst, hv = h * p.G + gi;
+    cst = st == STAGES - 1 ? 0 : st + 1;
+    if (++cvt == nvt) cvt = 0, ++cgi;
     cp_async_wait<STAGES - 2>();  // step s has landed (one group per step after it)
     fence_async_smem();           // its tiles are read by wgmma next
     __syncthreads();              // ... for every thread; and every thread is done with step s - 1's stage
-    if (s + STAGES - 1 < nsteps) issue(s + STAGES - 1);
+    if (s + STAGES - 1 < nsteps) issue_next();
     cp_async_commit();  // (an empty group past the last step keeps the count)
     if (vt == 0) sdot = 0.f;
-    const unsigned char* b = smem + (s % STAGES) * F::STAGE_BYTES;
+    const unsigned char* b = smem + st * F::STAGE_BYTES;
     const unsigned char* VnTs = b;
     const unsigned char* hTs = b + ST;
     const unsigned char* dhTs = b + 2 * ST;
     const St* dOs = reinterpret_cast<const St*>(b + 3 * ST);
     const St* dVnTs = reinterpret_cast<const St*>(b + 3 * ST + PT);
 
-    // this V tile's products, accumulated over the head's V tiles (the first one overwrites). Both warpgroups run
-    // the same instructions on operands chosen by warpgroup (a branch around them would serialize the products):
+    // this V tile's products, accumulated over the head's V tiles (the first one overwrites). Both warpgroups issue
+    // the same products on operands chosen by warpgroup (a branch around them would serialize the products):
     // warpgroup 0: acc0 = dO Vn^T, acc1 = dO S^T;  warpgroup 1: acc0 = dVn S^T, acc1 = Vn dS'^T
-    const uint64_t d0 = sw128_desc(wg ? hTs : VnTs, ST), d1 = sw128_desc(wg ? dhTs : hTs, ST);
+    // B: d0 = hT (warpgroup 1) or Vn^T, d1 the tile after it (dhT or hT). The k16 steps add to the descriptors'
+    // low words only (shared addresses stay below 256 KB: no carry into the high word, a constant).
+    const uint32_t d0 = static_cast<uint32_t>(sw128_desc(VnTs + wg * ST, ST)), d1 = d0 + (ST >> 4);
+    const uint64_t dhi = sw128_desc(VnTs, ST) & ~0xFFFFFFFFull;
+    // A: loaded by warpgroup (only the loads branch, not the products)
     FragA<St> a0[4], a1[4];
+    if (wg == 0) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const FragA<St> a_do = lda<St>(dOs, LDC, 16 * rg, 16 * kk);
-      const FragA<St> a_dvn = lda_t<St>(dVnTs, LDC, 16 * rg, 16 * kk);
-      const FragA<St> a_vn = lda_t_sw128<St>(VnTs, 16 * rg, 16 * kk);
-      a0[kk] = wg ? a_dvn : a_do;
-      a1[kk] = wg ? a_vn : a_do;
+      for (int kk = 0; kk < 4; ++kk) a0[kk] = a1[kk] = lda<St>(dOs, LDC, 16 * rg, 16 * kk);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        a0[kk] = lda_t<St>(dVnTs, LDC, 16 * rg, 16 * kk);
+        a1[kk] = lda_t_sw128<St>(VnTs, 16 * rg, 16 * kk);
+      }
     }
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      wgmma_rs<St, 1>(acc0, a0[kk], d0 + kk * (2048 >> 4), vt > 0 || kk > 0);
-      wgmma_rs<St, 1>(acc1, a1[kk], d1 + kk * (2048 >> 4), vt > 0 || kk > 0);
+      wgmma_rs<St, 1>(acc0, a0[kk], dhi | (d0 + kk * (2048 >> 4)), vt > 0 || kk > 0);
+      wgmma_rs<St, 1>(acc1, a1[kk], dhi | (d1 + kk * (2048 >> 4)), vt > 0 || kk > 0);
     }
     wg_commit();
     // sum(hT o dhT) meanwhile: the two sw128 tiles share one layout, so equal byte offsets hold equal positions
@@ -512,7 +551,7 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
             acc0[nt][e] = -acc0[nt][e];  // dW = -dVn S^T
           }
         }
-      store_frag_rows<St, 8>(static_cast<St*>(p.dW) + (chv * C + 16 * rg) * K + kb * 64, K, acc0, g8, q);
+      store_frag_rows<St, 8>(static_cast<St*>(p.dW) + ((chv0 + gi) * C + 16 * rg) * K + kb * 64, K, acc0, g8, q);
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         rK[hr] += __shfl_xor_sync(0xffffffffu, rK[hr], 1);

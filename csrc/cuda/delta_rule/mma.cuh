@@ -127,6 +127,94 @@ __device__ __forceinline__ FragA<St> frag_a_from_c_cols(const float c0[4], const
   return a;
 }
 
+// ---- tf32 products (mma.m16n8k8, fp32 operands rounded to nearest tf32 on the way in) ----
+// Fragment layouts (PTX ISA, mma.m16n8k8 .tf32): A (16x8): a0 = A[g][q], a1 = A[g+8][q], a2 = A[g][q+4],
+// a3 = A[g+8][q+4]; B (8x8): b0 = B[q][g], b1 = B[q+4][g]; C as above. The loaders below feed the instruction's
+// contraction positions q and q + 4 with k = 2q and 2q + 1 of the 8-slice (one permutation of k for A and B, so the
+// product is the same): a lane's two k of a row of B^T are then adjacent in memory (one 8-byte load), and a
+// product's accumulator pairs (columns 2q, 2q + 1) are directly the B fragments of a next product that contracts
+// over those columns. At the inverse's row stride 68 (4 mod 32) lda_t_tf32 and ldb_tf32 are free of bank conflicts.
+// A 16 x 16 x 16 product is two k-steps s of 8: A as a[s][4], B (two n-tiles t) as b[t][s][2].
+
+// x rounded to the nearest tf32: ties to even on sm_90 (one instruction there), ties away from zero before it
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm("cvt.rn.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+#else
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+#endif
+  return r;
+}
+__device__ __forceinline__ void mma_tf32(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// acc[t] += A B[t] over a contraction of 16
+__device__ __forceinline__ void mma_tf32_16(float (&acc)[2][4], const uint32_t (&a)[2][4], const uint32_t (&b)[2][2][2]) {
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+#pragma unroll
+    for (int t = 0; t < 2; ++t) mma_tf32(acc[t], a[s], b[t][s]);
+}
+// one fp32 from shared memory as a single load (volatile: not merged with its neighbour into a pair)
+__device__ __forceinline__ float lds_f32(const float* p) {
+  float x;
+  asm volatile("ld.volatile.shared.f32 %0, [%1];\n" : "=f"(x) : "r"(smem_u32(p)));
+  return x;
+}
+// A (16 x 16) at rows m0.., cols k0.. of a row-major fp32 tile s[m * ld + k] in shared memory. Single loads: a
+// row's pair would be a0 and a2, registers that are not adjacent, and the moves cost more than the loads' two-way
+// bank conflict (rows g at stride 4 mod 32 banks, columns 2q).
+__device__ __forceinline__ void lda_tf32(uint32_t (&a)[2][4], const float* s, int ld, int m0, int k0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int st = 0; st < 2; ++st) {
+    const float* p = s + (m0 + g) * ld + k0 + 8 * st + 2 * q;
+    a[st][0] = to_tf32(lds_f32(p));
+    a[st][1] = to_tf32(lds_f32(p + 8 * ld));
+    a[st][2] = to_tf32(lds_f32(p + 1));
+    a[st][3] = to_tf32(lds_f32(p + 8 * ld + 1));
+  }
+}
+// A (16 x 16) with A[m][k] = s[k * ld + m]; rows m0.., contraction k0..
+__device__ __forceinline__ void lda_t_tf32(uint32_t (&a)[2][4], const float* s, int ld, int m0, int k0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int st = 0; st < 2; ++st) {
+    const float* p = s + (k0 + 8 * st + 2 * q) * ld + m0 + g;
+    a[st][0] = to_tf32(p[0]);
+    a[st][1] = to_tf32(p[8]);
+    a[st][2] = to_tf32(p[ld]);
+    a[st][3] = to_tf32(p[ld + 8]);
+  }
+}
+// two B n-tiles (n0..n0+7, n0+8..n0+15; contraction k0..k0+15) with B[k][n] = s[n * ld + k] (ld, k0 even)
+__device__ __forceinline__ void ldb_tf32(uint32_t (&b)[2][2][2], const float* s, int ld, int n0, int k0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int st = 0; st < 2; ++st) {
+      const float2 u = *reinterpret_cast<const float2*>(s + (n0 + 8 * t + g) * ld + k0 + 8 * st + 2 * q);
+      b[t][st][0] = to_tf32(u.x);
+      b[t][st][1] = to_tf32(u.y);
+    }
+}
+// B = Y^T as two n-tiles, from the accumulator tiles y[0] (columns 0..7 of Y) and y[1] (8..15) of a 16 x 16 Y:
+// B[k][n] = Y[n][k], a lane's pair (columns 2q, 2q + 1) of Y's row n being its B pair for k = 2q, 2q + 1
+__device__ __forceinline__ void frag_b_tf32_from_ct(uint32_t (&b)[2][2][2], const float (&y)[2][4]) {
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int st = 0; st < 2; ++st) {
+      b[t][st][0] = to_tf32(y[st][2 * t]);
+      b[t][st][1] = to_tf32(y[st][2 * t + 1]);
+    }
+}
+
 // ---- shared-memory fragment loaders ----
 __device__ __forceinline__ void ldsm_x4(uint32_t r[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -4,8 +4,9 @@
 // Where the state passes form W and U themselves (forms_wu: p.W and p.U are null), it writes Tm diag(beta) instead.
 // K K^T and Q K^T are the same for every value head of a group: a CTA computes them once, keeps them in registers
 // and walks its value heads. KK^T and QK^T, W and U run on tensor cores (fp32 accumulation); the inverse is fp32
-// (blockwise, 16 x 16 blocks). When p.lnorm is set it also writes, per chunk and value head, the log of a bound on the
-// chunk's transition norm, sum_t (g_t + log max(1, |1 - b_t |k_t|^2| + 2^-15 |b_t |k_t|^2|)) (warmup.cuh).
+// (blockwise, 16 x 16 blocks; the merges' products in tf32 for 16-bit inputs, tri_inverse.cuh). When p.lnorm is
+// set it also writes, per chunk and value head, the log of a bound on the chunk's transition norm,
+// sum_t (g_t + log max(1, |1 - b_t |k_t|^2| + 2^-15 |b_t |k_t|^2|)) (warmup.cuh).
 // Mirrored kernel staging: its tile loads and per-head loops follow the same pattern as the other chunk-parallel
 // kernels (prep.cu, grad_qk.cu, grad_wy.cu), each written out so that its pipeline is tuned on its own.
 #include <type_traits>
@@ -247,7 +248,7 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
       }
     }
     __syncthreads();
-    block_inverse(Mf, Tf, Pf, tid);
+    block_inverse<sizeof(St) == 2>(Mf, Tf, Pf, tid);
 
     // Tm diag(beta) (and Tm) to memory, and for W and U Tm diag(beta) and Tm diag(beta e^gam) as operand tiles
     // (where Q was): eight columns, 16 bytes, per thread and step; a thread's columns, and so its beta factors, are

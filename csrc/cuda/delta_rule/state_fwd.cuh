@@ -196,9 +196,9 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
     float(&acc_vn)[8][4] = acc[0];
     float(&acc_o)[8][4] = acc[1];
     if constexpr (F::WG) {
-      // S^T K^T, then (mode 0) S^T Q^T as a second group: Vn needs only the first, so the output's product runs
-      // while Vn is formed. Meanwhile e^gam and e^{gam_L - gam} of the chunk go to shared memory, once per CTA
-      // instead of once per thread and use.
+      // S^T K^T here; (mode 0) S^T Q^T, which only the output needs, goes out behind Vn's product below, so that the
+      // products of the chain S^T K^T -> Vn -> S are not queued behind it. Meanwhile e^gam and e^{gam_L - gam} of
+      // the chunk go to shared memory, once per CTA instead of once per thread and use.
       FragA<St> sa[K / 16];
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk) sa[kk] = frag_a_from_c<St>(S[2 * kk], S[2 * kk + 1]);
@@ -207,13 +207,6 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
       for (int kk = 0; kk < K / 16; ++kk)
         wgmma_rs<St, 0>(acc_vn, sa[kk], sw128_desc(Ks + (kk >> 2) * 64 * F::NKQ * 64 + (kk & 3) * 16, 16), kk > 0);
       wg_commit();
-      if constexpr (F::WITH_Q) {
-#pragma unroll
-        for (int kk = 0; kk < K / 16; ++kk)
-          wgmma_rs<St, 0>(acc_o, sa[kk], sw128_desc(Ks + (kk >> 2) * 128 * 64 + 64 * 64 + (kk & 3) * 16, 16),
-                          kk > 0);
-        wg_commit();
-      }
       // the next chunk's tiles into the other stage (free since the last chunk's closing barrier): issued here, the
       // copies' address work overlaps the products instead of delaying them
       if constexpr (F::STAGES == 2) {
@@ -236,7 +229,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
         egl[tid] = __expf(gs[C - 1] - gs[tid]);
       }
       __syncthreads();
-      wg_wait<F::WITH_Q ? 1 : 0>();
+      wg_wait<0>();
       wg_fence_acc(acc_vn);
     } else {
       zero_acc(acc_vn);
@@ -339,9 +332,19 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 0>(vn, xa[kk], sw128_desc(Ts + 16 * kk, 16), kk > 0);
       wg_commit();
-      wg_wait<0>();
+      if constexpr (F::WITH_Q) {  // S^T Q^T (S unchanged until the update below; its fragments converted again)
+        FragA<St> sq[K / 16];
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk) sq[kk] = frag_a_from_c<St>(S[2 * kk], S[2 * kk + 1]);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk)
+          wgmma_rs<St, 0>(acc_o, sq[kk], sw128_desc(Ks + (kk >> 2) * 128 * 64 + 64 * 64 + (kk & 3) * 16, 16),
+                          kk > 0);
+        wg_commit();
+      }
+      wg_wait<F::WITH_Q ? 1 : 0>();  // Vn's product (S^T Q^T may still run)
       wg_fence_acc(vn);
-      if constexpr (F::WITH_Q) wg_fence_acc(acc_o);
     } else if constexpr (sizeof(St) == 2) {
       // U^T by ldmatrix.trans: the A-fragment registers of a 16 x 16 block are the C fragments of two n-tiles
 #pragma unroll
@@ -456,7 +459,9 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 0>(o2, va[kk], sw128_desc(As + 16 * kk, 16), kk > 0);
         wg_commit();
-        if (out) scale_o();  // (while the two products run)
+        wg_wait<1>();  // S^T Q^T and the state update are in; the scaling runs while (scale Vn^T) A^T does
+        wg_fence_acc(acc_o);
+        if (out) scale_o();
       }
       wg_wait<0>();
       wg_fence_acc(S);
@@ -485,11 +490,18 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
         }
       }
     }
-    __syncthreads();
+    // The chunk's closing barrier: the next chunk's loads must not overwrite a stage that a thread still reads. The
+    // warpgroup passes with two stages issue those loads after the next chunk's opening barrier, which every thread
+    // reaches only once its products of this chunk are complete, and Os and e^gam are ordered by the barriers
+    // inside the chunk: they need no closing barrier.
+    if constexpr (!(F::WG && F::STAGES == 2)) __syncthreads();
   }
 
   if constexpr (DEFER_O) {
-    if (pend_len > 0) copy_o(pend_og, pend_len);  // (staged before the last chunk's closing barrier)
+    if (pend_len > 0) {  // (staged during the last chunk)
+      if constexpr (F::STAGES == 2) __syncthreads();
+      copy_o(pend_og, pend_len);
+    }
   }
   if (run.fin) store_state_tile<K, KW, TW>(p, S, MODE == 2, u, un.n, hv, vt, vr, ks, g8, q);
 }

@@ -315,7 +315,9 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
         }
       }
     }
-    __syncthreads();
+    // (no closing barrier on the warpgroup pass: its next loads are issued after the next chunk's opening barrier,
+    // which every thread reaches only once its products of this chunk are complete; see state_fwd.cuh)
+    if constexpr (!(F::WG && F::STAGES == 2)) __syncthreads();
   }
 
   if (run.fin) store_state_tile<K, KW, TW>(p, dS, MODE == 1, u, un.n, hv, vt, vr, ks, g8, q);

@@ -12,9 +12,12 @@ namespace cuda {
 template <class St> struct PadOf { static constexpr int value = 16 / sizeof(St); };  // one 16-byte vector
 
 // ---- cp.async ----
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+__device__ __forceinline__ void cp_async16(uint32_t saddr, const void* gmem, bool valid) {  // saddr: smem_u32
   const int n = valid ? 16 : 0;  // src-size 0: zero fill, nothing read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(n));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  cp_async16(smem_u32(smem), gmem, valid);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
