@@ -5,7 +5,7 @@
 
 The first call of each row is a warm-up (module load, allocator); profile the last one with ncu's --launch-skip, or
 profile all and read the last. Prints each row's device time per kernel name from torch.profiler when --table is
-given (no ncu needed).
+given (no ncu needed), with the call's span (first kernel start to last kernel end) and its eager time.
 """
 import argparse
 import os
@@ -48,6 +48,20 @@ def table(row, xs, do, fwd_only):
     print(f"row {row} {'fwd' if fwd_only else 'fwd+bwd'}: total {sum(per.values()):.3f} ms")
     for name, ms in sorted(per.items(), key=lambda kv: -kv[1]):
         print(f"  {ms:8.3f} ms  {name}")
+    # the same call from its first kernel's start to its last kernel's end (gaps between kernels included, overlap
+    # counted once), and its eager time (CUDA events around the call, median of 20)
+    ranges = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+    span = (max(b for _, b in ranges) - min(a for a, _ in ranges)) / 1e3 if ranges else float("nan")
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        call(xs, do, fwd_only)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    print(f"  span {span:.3f} ms, eager {times[len(times) // 2]:.3f} ms")
 
 
 def main():
