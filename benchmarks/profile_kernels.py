@@ -5,7 +5,9 @@
 
 The first call of each row is a warm-up (module load, allocator); profile the last one with ncu's --launch-skip, or
 profile all and read the last. Prints each row's device time per kernel name from torch.profiler when --table is
-given (no ncu needed), with the call's span (first kernel start to last kernel end) and its eager time.
+given (no ncu needed), with the call's span (first kernel start to last kernel end) and its eager time. --host
+prints where the eager time goes: the host's work per call (self CPU time of ops and CUDA runtime calls), the time
+from the op's start to its first kernel, and the gaps between its kernels (--trace FILE also writes a Chrome trace).
 """
 import argparse
 import os
@@ -64,17 +66,57 @@ def table(row, xs, do, fwd_only):
     print(f"  span {span:.3f} ms, eager {times[len(times) // 2]:.3f} ms")
 
 
+def host(row, xs, do, fwd_only, trace=None):
+    """Where a call's eager time goes: the host's work (CPU-side ops and CUDA runtime calls, self time per call)
+    and, on the device, the time before the first kernel and the gaps between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        call(xs, do, fwd_only)
+    torch.cuda.synchronize()
+    n = 5
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            call(xs, do, fwd_only)
+            torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
+    print(f"row {row} {'fwd' if fwd_only else 'fwd+bwd'}: host work per call (self CPU time, us; {n} calls)")
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    for e in rows[:20]:
+        if e.self_cpu_time_total <= 0:
+            break
+        print(f"  {e.self_cpu_time_total / n:9.1f} us  {e.count // n:4d} x  {e.key}")
+    kern = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
+    # from the op's start on the host to its first kernel's start on the device
+    starts = sorted(e.time_range.start for e in prof.events() if e.name == "gated_delta::fwd")
+    first = [next((k[0] - t for k in kern if k[0] >= t), None) for t in starts]
+    first = sorted(f for f in first if f is not None)
+    if first:
+        print(f"  op start (host) to first kernel start (device): median {first[len(first) // 2]:.1f} us")
+    gaps = [b[0] - a[1] for a, b in zip(kern, kern[1:])]
+    inner = sorted(g for g in gaps if 0 <= g < 1000)  # between kernels of one call (calls are 1 ms+ apart)
+    if inner:
+        print(f"  device gaps between kernels of a call: {len(inner) / n:.1f} per call, median {inner[len(inner) // 2]:.1f} us, "
+              f"sum {sum(inner) / n:.1f} us per call")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1x32768:2:8")
     ap.add_argument("--calls", type=int, default=2)
     ap.add_argument("--fwd-only", action="store_true")
     ap.add_argument("--table", action="store_true")
+    ap.add_argument("--host", action="store_true", help="where the eager time goes: host work and kernel gaps")
+    ap.add_argument("--trace", default=None, help="with --host: write the profile as a Chrome trace to this file")
     a = ap.parse_args()
     for row in parse_rows(a.rows):
         xs, do = make(*row, seed=0, requires_grad=not a.fwd_only)
         if a.table:
             table(row, xs, do, a.fwd_only)
+            continue
+        if a.host:
+            host(row, xs, do, a.fwd_only, a.trace)
             continue
         for _ in range(a.calls):
             call(xs, do, a.fwd_only)
