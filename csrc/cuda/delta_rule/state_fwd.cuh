@@ -207,8 +207,9 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
       for (int kk = 0; kk < K / 16; ++kk)
         wgmma_rs<St, 0>(acc_vn, sa[kk], sw128_desc(Ks + (kk >> 2) * 64 * F::NKQ * 64 + (kk & 3) * 16, 16), kk > 0);
       wg_commit();
-      // the next chunk's tiles into the other stage (free since the last chunk's closing barrier): issued here, the
-      // copies' address work overlaps the products instead of delaying them
+      // the next chunk's tiles into the other stage (free since this chunk's opening barrier, which every thread
+      // reached with the last chunk's products complete): issued here, the copies' address work overlaps the products
+      // instead of delaying them
       if constexpr (F::STAGES == 2) {
         if (c + 1 < run.re) {
           issue(c + 1, buf ^ 1);

@@ -167,8 +167,8 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(acc1, da[kk], sw128_desc(As + 16 * kk * 64, 8192), kk > 0);
       wg_commit();
-      // the next chunk's tiles into the other stage (free since the last chunk's closing barrier), their address
-      // work overlapping the products
+      // the next chunk's tiles into the other stage (free since this chunk's opening barrier, which every thread
+      // reached with the last chunk's products complete), their address work overlapping the products
       if constexpr (F::STAGES == 2) {
         if (c - 1 >= run.rb) {
           issue(c - 1, buf ^ 1);
