@@ -11,6 +11,7 @@ from the op's start to its first kernel, and the gaps between its kernels (--tra
 """
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -18,7 +19,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_gpu import make, parse_rows, K  # noqa: E402
+from bench_gpu import make, parse_rows, time_fn, K  # noqa: E402
 from gated_delta import gated_delta_rule  # noqa: E402
 
 
@@ -54,16 +55,8 @@ def table(row, xs, do, fwd_only):
     # counted once), and its eager time (CUDA events around the call, median of 20)
     ranges = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
     span = (max(b for _, b in ranges) - min(a for a, _ in ranges)) / 1e3 if ranges else float("nan")
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        call(xs, do, fwd_only)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    print(f"  span {span:.3f} ms, eager {times[len(times) // 2]:.3f} ms")
+    eager = time_fn(lambda: call(xs, do, fwd_only), [()], 20)
+    print(f"  span {span:.3f} ms, eager {eager:.3f} ms")
 
 
 def host(row, xs, do, fwd_only, trace=None):
@@ -91,14 +84,14 @@ def host(row, xs, do, fwd_only, trace=None):
     # from the op's start on the host to its first kernel's start on the device
     starts = sorted(e.time_range.start for e in prof.events() if e.name == "gated_delta::fwd")
     first = [next((k[0] - t for k in kern if k[0] >= t), None) for t in starts]
-    first = sorted(f for f in first if f is not None)
+    first = [f for f in first if f is not None]
     if first:
-        print(f"  op start (host) to first kernel start (device): median {first[len(first) // 2]:.1f} us")
+        print(f"  op start (host) to first kernel start (device): median {statistics.median(first):.1f} us")
     gaps = [b[0] - a[1] for a, b in zip(kern, kern[1:])]
-    inner = sorted(g for g in gaps if 0 <= g < 1000)  # between kernels of one call (calls are 1 ms+ apart)
+    inner = [g for g in gaps if 0 <= g < 1000]  # between kernels of one call (calls are 1 ms+ apart)
     if inner:
-        print(f"  device gaps between kernels of a call: {len(inner) / n:.1f} per call, median {inner[len(inner) // 2]:.1f} us, "
-              f"sum {sum(inner) / n:.1f} us per call")
+        print(f"  device gaps between kernels of a call: {len(inner) / n:.1f} per call, median "
+              f"{statistics.median(inner):.1f} us, sum {sum(inner) / n:.1f} us per call")
 
 
 def main():
