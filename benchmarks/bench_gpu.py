@@ -60,17 +60,30 @@ def make(B, T, H, HV, seed, requires_grad=False):
 
 
 def load_fla():
+    # FLA 0.6 hands chunk_gated_delta_rule to registered backends, FlashQLA among them, whenever their package is
+    # importable: with FlashQLA on the path its rows would time FlashQLA's kernels under FLA's name. The dispatch is
+    # read at import, so it is turned off before FLA is imported: its rows are FLA's own Triton kernels.
+    os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"
+    os.environ["FLA_FLASH_QLA"] = "0"
     try:
         import fla.ops.common.chunk_o as chunk_o
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception as e:  # noqa: BLE001
         print(f"FLA not importable: {e!r}")
         return None, None
-    note = None
+    try:
+        import fla.backends as fla_backends
+    except Exception:  # noqa: BLE001  (a version without backends: nothing to turn off)
+        fla_backends = None
+    if fla_backends is not None and not getattr(fla_backends, "_DISPATCH_DISABLED", True):
+        print("FLA was imported before the benchmark turned its backend dispatch off: FLA is left out")
+        return None, None
+    notes = ["FLA's backend dispatch was turned off (FLA_DISABLE_BACKEND_DISPATCH=1, FLA_FLASH_QLA=0), so its rows "
+             "time FLA's own Triton kernels, not FlashQLA's"]
     if hasattr(chunk_o, "TRITON_ABOVE_3_7_1") and not chunk_o.TRITON_ABOVE_3_7_1:
         chunk_o.TRITON_ABOVE_3_7_1 = True
-        note = "FLA's Hopper/Triton<3.7.1 guard of its gated backward was lifted for timing"
-    return chunk_gated_delta_rule, note
+        notes.append("FLA's Hopper/Triton<3.7.1 guard of its gated backward was lifted for timing")
+    return chunk_gated_delta_rule, "; ".join(notes)
 
 
 def load_qla():
@@ -248,7 +261,7 @@ def cold_start(which):
         return None
 
 
-def plot(results, path):
+def plot(results, path, gpu):
     try:
         import matplotlib
 
@@ -272,12 +285,68 @@ def plot(results, path):
         ax.set_yscale("log")
         ax.set_xlabel("tokens x value heads (B*T*HV)")
         ax.set_ylabel("device ms (median)")
-        ax.set_title(f"{title}, bf16, K=V=128, {torch.cuda.get_device_name()}")
+        ax.set_title(f"{title}, bf16, K=V=128, {gpu}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
+
+
+def report(meta, note, results, errs, cold):
+    """The tables of bench_gpu.md."""
+    lines = [f"Date {meta['date']}; {meta['gpu']}; torch {meta['torch']} (CUDA {meta['cuda']}); "
+             f"triton {meta.get('triton', '-')}; FLA {meta.get('fla', '-')}; FlashQLA {meta.get('flash_qla', '-')} "
+             f"(TileLang {meta.get('tilelang', '-')}); gated_delta {meta['gated_delta']}.",
+             f"Command: `{meta['command']}`.", ""]
+    if note:
+        lines += [f"Note: {note}.", ""]
+    names = [n for n in ("ours", "qla", "fla") if any(n in r for r in results)]
+    label = {"ours": "ours", "qla": "FlashQLA", "fla": "FLA"}
+    lines += ["Device time (sum of kernel durations per call, torch.profiler) and eager time (CUDA events around "
+              "the call, host overhead included), ms; peak extra memory of forward+backward, GiB. A dash: not "
+              "measured on that row.", ""]
+    hdr = "| B x T | H | HV | pass |" + "".join(f" {label[n]} device | {label[n]} eager |" for n in names)
+    others = [n for n in names if n != "ours"]
+    hdr += "".join(f" ours / {label[n]} (device) |" for n in others)
+    lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    for r in results:
+        for key, pas in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
+            cells = []
+            for n in names:
+                m = r.get(n)
+                cells += [f"{m[key + '_dev_ms']:.3f}", f"{m[key + '_ms']:.3f}"] if m else ["-", "-"]
+            for n in others:
+                m = r.get(n)
+                cells.append(f"{r['ours'][key + '_dev_ms'] / m[key + '_dev_ms']:.2f}" if m else "-")
+            lines.append(f"| {r['B']} x {r['T']} | {r['H']} | {r['HV']} | {pas} | " + " | ".join(cells) + " |")
+    lines += ["", "| B x T | H | HV |" + "".join(f" peak {label[n]} |" for n in names),
+              "|---|---|---|" + "---|" * len(names)]
+    for r in results:
+        lines.append(f"| {r['B']} x {r['T']} | {r['H']} | {r['HV']} | " +
+                     " | ".join(f"{r[n]['peak_extra_gib']:.2f}" if n in r else "-" for n in names) + " |")
+    if errs:
+        lines += ["", "Relative L2 error against the float64 reference (B=1, T=1024, same heads):", "",
+                  "| H/HV | impl | o | dq | dk | dv | dg | dbeta |", "|---|---|---|---|---|---|---|---|"]
+        for hh, e in errs.items():
+            for name, v in e.items():
+                lines.append(f"| {hh} | {name} | " + " | ".join(f"{v[k]:.2e}" for k in
+                                                                 ("o", "dq", "dk", "dv", "dg", "dbeta")) + " |")
+    if cold:
+        lines += ["", "Cold start (fresh process: import + first forward+backward, 1x2048, H=4, HV=8): " +
+                  ", ".join(f"{k} {v:.1f} s" if v is not None else f"{k} failed" for k, v in cold.items()) +
+                  (" (FLA with the Triton cache already warm from this run)" if "fla" in cold else "")]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out, meta, note, results, errs, cold):
+    md = report(meta, note, results, errs, cold)
+    with open(os.path.join(out, "bench_gpu.md"), "w") as fh:
+        fh.write(md)
+    with open(os.path.join(out, "bench_gpu.json"), "w") as fh:
+        json.dump({"meta": meta, "results": results, "errors": errs, "cold": cold}, fh, indent=1)
+    plot(results, os.path.join(out, "bench_gpu.png"), meta["gpu"])
+    return md
 
 
 def main():
@@ -331,6 +400,7 @@ def main():
         skip = ("fla",) if time.time() - t_start > args.fla_budget_s else ()
         r.update(bench_row(row, fns, args.reps, args.sets, skip))
         results.append(r)
+        write_outputs(args.out, meta, note, results, {}, {})  # so far (a run cut short keeps its rows)
     errs = {}
     if not args.no_errors:
         for H, HV in sorted({(r[2], r[3]) for r in rows}):
@@ -345,54 +415,8 @@ def main():
             cold["fla"] = cold_start("fla")
         print(f"  cold start: {cold}", flush=True)
 
-    lines = [f"Date {meta['date']}; {meta['gpu']}; torch {meta['torch']} (CUDA {meta['cuda']}); "
-             f"triton {meta.get('triton', '-')}; FLA {meta.get('fla', '-')}; FlashQLA {meta.get('flash_qla', '-')} "
-             f"(TileLang {meta.get('tilelang', '-')}); gated_delta {meta['gated_delta']}.",
-             f"Command: `{meta['command']}`.", ""]
-    if note:
-        lines += [f"Note: {note}.", ""]
-    names = [n for n in ("ours", "qla", "fla") if any(n in r for r in results)]
-    label = {"ours": "ours", "qla": "FlashQLA", "fla": "FLA"}
-    lines += ["Device time (sum of kernel durations per call, torch.profiler) and eager time (CUDA events around "
-              "the call, host overhead included), ms; peak extra memory of forward+backward, GiB. A dash: not "
-              "measured on that row.", ""]
-    hdr = "| B x T | H | HV | pass |" + "".join(f" {label[n]} device | {label[n]} eager |" for n in names)
-    others = [n for n in names if n != "ours"]
-    hdr += "".join(f" ours / {label[n]} (device) |" for n in others)
-    lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
-    for r in results:
-        for key, pas in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
-            cells = []
-            for n in names:
-                m = r.get(n)
-                cells += [f"{m[key + '_dev_ms']:.3f}", f"{m[key + '_ms']:.3f}"] if m else ["-", "-"]
-            for n in others:
-                m = r.get(n)
-                cells.append(f"{r['ours'][key + '_dev_ms'] / m[key + '_dev_ms']:.2f}" if m else "-")
-            lines.append(f"| {r['B']} x {r['T']} | {r['H']} | {r['HV']} | {pas} | " + " | ".join(cells) + " |")
-    lines += ["", "| B x T | H | HV |" + "".join(f" peak {label[n]} |" for n in names),
-              "|---|---|---|" + "---|" * len(names)]
-    for r in results:
-        lines.append(f"| {r['B']} x {r['T']} | {r['H']} | {r['HV']} | " +
-                     " | ".join(f"{r[n]['peak_extra_gib']:.2f}" if n in r else "-" for n in names) + " |")
-    if errs:
-        lines += ["", "Relative L2 error against the float64 reference (B=1, T=1024, same heads):", "",
-                  "| H/HV | impl | o | dq | dk | dv | dg | dbeta |", "|---|---|---|---|---|---|---|---|"]
-        for hh, e in errs.items():
-            for name, v in e.items():
-                lines.append(f"| {hh} | {name} | " + " | ".join(f"{v[k]:.2e}" for k in
-                                                                 ("o", "dq", "dk", "dv", "dg", "dbeta")) + " |")
-    if cold:
-        lines += ["", "Cold start (fresh process: import + first forward+backward, 1x2048, H=4, HV=8): " +
-                  ", ".join(f"{k} {v:.1f} s" if v is not None else f"{k} failed" for k, v in cold.items()) +
-                  (" (FLA with the Triton cache already warm from this run)" if "fla" in cold else "")]
-    md = "\n".join(lines) + "\n"
+    md = write_outputs(args.out, meta, note, results, errs, cold)
     print("\n" + md)
-    with open(os.path.join(args.out, "bench_gpu.md"), "w") as fh:
-        fh.write(md)
-    with open(os.path.join(args.out, "bench_gpu.json"), "w") as fh:
-        json.dump({"meta": meta, "results": results, "errors": errs, "cold": cold}, fh, indent=1)
-    plot(results, os.path.join(args.out, "bench_gpu.png"))
 
 
 if __name__ == "__main__":
