@@ -14,6 +14,8 @@ is the wall time of a fresh process importing the package and running a first fo
 Writes DIR/bench_gpu.md (tables), DIR/bench_gpu.json and DIR/bench_gpu.png (time vs tokens).
 FLA's Triton kernels compile (and autotune) on first use, minutes on a fresh machine; Triton keeps them in
 TRITON_CACHE_DIR (default ~/.triton/cache), so pointing that at a folder kept between runs spares most of it.
+FLA 0.6 hands chunk_gated_delta_rule to FlashQLA whenever FlashQLA is importable (its backend dispatch); the
+benchmark turns that dispatch off before importing FLA, so that FLA's rows are FLA's own Triton kernels.
 FLA 0.6's gated backward refuses to run on Hopper with Triton < 3.7.1 (a correctness concern of its dq/dk kernel on
 those Triton versions); for timing only the benchmark lifts that guard and says so in its output.
 """
