@@ -264,6 +264,7 @@ def cold_start(which):
 
 
 def plot(results, path, gpu):
+    """Device time per row, one bar per implementation (log scale), forward and forward+backward side by side."""
     try:
         import matplotlib
 
@@ -271,27 +272,31 @@ def plot(results, path, gpu):
         import matplotlib.pyplot as plt
     except Exception:  # noqa: BLE001
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    impls_ = [(n, lab, col) for n, lab, col in (("ours", "gated_delta (CUDA)", "tab:blue"),
+                                                ("qla", "FlashQLA (TileLang)", "tab:orange"),
+                                                ("fla", "FLA (Triton)", "tab:green"))
+              if any(n in r for r in results)]
+    labels = [f'{r["B"]}x{r["T"]}\n{r["H"]}/{r["HV"]}' for r in results]
+    width = 0.8 / max(1, len(impls_))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     for ax, key, title in ((axes[0], "fwd_dev_ms", "forward"), (axes[1], "fwdbwd_dev_ms", "forward + backward")):
-        for name, marker in (("ours", "o"), ("qla", "^"), ("fla", "s")):
-            pts = [(r["B"] * r["T"] * r["HV"], r[name][key], f'{r["B"]}x{r["T"]}/{r["H"]}/{r["HV"]}')
-                   for r in results if name in r]
-            if not pts:
-                continue
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker,
-                       label={"ours": "gated_delta (CUDA)", "qla": "FlashQLA (TileLang)", "fla": "FLA (Triton)"}[name])
-            if name == "ours":
-                for x, y, lab in pts:
-                    ax.annotate(lab, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_xscale("log")
+        for i, (name, lab, col) in enumerate(impls_):
+            xs = [j + (i - (len(impls_) - 1) / 2) * width for j, r in enumerate(results) if name in r]
+            ys = [r[name][key] for r in results if name in r]
+            bars = ax.bar(xs, ys, width, label=lab, color=col)
+            ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=6, rotation=90, padding=2)
+        ax.set_xticks(range(len(results)), labels, fontsize=8)
         ax.set_yscale("log")
-        ax.set_xlabel("tokens x value heads (B*T*HV)")
-        ax.set_ylabel("device ms (median)")
-        ax.set_title(f"{title}, bf16, K=V=128, {gpu}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        top = max(r[n][key] for r in results for n, _, _ in impls_ if n in r)
+        ax.set_ylim(top=top * 1.8)  # room for the bars' labels
+        ax.set_ylabel("device ms per call (log)")
+        ax.set_xlabel("B x T, H / HV")
+        ax.set_title(f"{title}, bf16, K = V = 128, {gpu}")
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return True
 
 
