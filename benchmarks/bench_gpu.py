@@ -11,7 +11,8 @@ is the wall time of a fresh process importing the package and running a first fo
 
     python benchmarks/bench_gpu.py --out DIR [--no-fla] [--no-qla] [--reps 20] [--rows 1x32768:16:64,...]
 
-Writes DIR/bench_gpu.md (tables), DIR/bench_gpu.json and DIR/bench_gpu.png (time vs tokens).
+Writes DIR/bench_gpu.md (tables), DIR/bench_gpu.json and DIR/bench_gpu.png (device time per row, one bar per
+implementation), after every row, so that a run cut short keeps the rows it measured.
 FLA's Triton kernels compile (and autotune) on first use, minutes on a fresh machine; Triton keeps them in
 TRITON_CACHE_DIR (default ~/.triton/cache), so pointing that at a folder kept between runs spares most of it.
 FLA 0.6 hands chunk_gated_delta_rule to FlashQLA whenever FlashQLA is importable (its backend dispatch); the
