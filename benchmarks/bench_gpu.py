@@ -357,6 +357,26 @@ def write_outputs(out, meta, note, results, errs, cold):
     return md
 
 
+def merge_results(paths):
+    """The rows of several bench_gpu.json files, merged by shape: an implementation measured in more than one file
+    keeps the first file's figures. Rows come in the order of DEFAULT_ROWS, others after them in first-seen order.
+    Returns (rows, GPU name of the first file)."""
+    rows, gpu = {}, None
+    for path in paths:
+        with open(path) as fh:
+            data = json.load(fh)
+        gpu = gpu or data.get("meta", {}).get("gpu", "")
+        for r in data["results"]:
+            key = (r["B"], r["T"], r["H"], r["HV"])
+            merged = rows.setdefault(key, {k: r[k] for k in ("B", "T", "H", "HV")})
+            for name in ("ours", "qla", "fla"):
+                if name in r and name not in merged:
+                    merged[name] = r[name]
+    order = {row: i for i, row in enumerate(parse_rows(DEFAULT_ROWS))}
+    keys = sorted(rows, key=lambda k: (order.get(k, len(order)), list(rows).index(k)))
+    return [rows[k] for k in keys], gpu
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -371,7 +391,17 @@ def main():
     ap.add_argument("--profile", default="", help="rows (same syntax) to break down per kernel")
     ap.add_argument("--fla-budget-s", type=float, default=1e9,
                     help="start no new FLA measurement after this many seconds (its JIT compilation is slow)")
+    ap.add_argument("--plot-from", nargs="+", metavar="JSON",
+                    help="draw the plot from these bench_gpu.json files (rows merged by shape) into --plot-to, and "
+                         "measure nothing")
+    ap.add_argument("--plot-to", default="bench_gpu.png")
     args = ap.parse_args()
+    if args.plot_from:
+        results, gpu = merge_results(args.plot_from)
+        if not plot(results, args.plot_to, gpu):
+            sys.exit("matplotlib is needed for the plot")
+        print(f"{args.plot_to}: {len(results)} rows from {', '.join(args.plot_from)}")
+        return
     os.makedirs(args.out, exist_ok=True)
     fns, note = impls(not args.no_fla, not args.no_qla)
     rows = parse_rows(args.rows)

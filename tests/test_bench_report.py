@@ -72,3 +72,23 @@ def test_fla_backend_dispatch_turned_off(monkeypatch):
     bench_gpu.load_fla()  # (FLA need not be installed: the switch is set before the import is tried)
     assert os.environ["FLA_DISABLE_BACKEND_DISPATCH"] == "1"
     assert os.environ["FLA_FLASH_QLA"] == "0"
+
+
+def test_plot_from_merges_runs_by_shape(tmp_path):
+    # three runs: the first file's figures win for an implementation measured twice; rows follow DEFAULT_ROWS
+    def dump(name, results):
+        path = tmp_path / name
+        path.write_text(json.dumps({"meta": META, "results": results}))
+        return str(path)
+
+    a = dump("a.json", [{"B": 1, "T": 8192, "H": 4, "HV": 8, "ours": timing(0.067, 0.325), "qla": timing(0.117, 0.333)}])
+    b = dump("b.json", [{"B": 1, "T": 8192, "H": 4, "HV": 8, "ours": timing(0.070, 0.330)},
+                        {"B": 1, "T": 32768, "H": 2, "HV": 8, "ours": timing(0.181, 0.935), "qla": timing(0.238, 0.797)}])
+    c = dump("c.json", [{"B": 1, "T": 32768, "H": 2, "HV": 8, "ours": timing(0.179, 0.939), "fla": timing(0.927, 3.659)},
+                        {"B": 3, "T": 100, "H": 1, "HV": 1, "ours": timing(0.01, 0.02)}])
+    rows, gpu = bench_gpu.merge_results([a, b, c])
+    assert gpu == "NVIDIA H200"
+    assert [(r["B"], r["T"], r["H"], r["HV"]) for r in rows] == [(1, 32768, 2, 8), (1, 8192, 4, 8), (3, 100, 1, 1)]
+    r28, r48, _ = rows
+    assert r28["ours"]["fwd_dev_ms"] == 0.181 and r28["qla"]["fwd_dev_ms"] == 0.238 and r28["fla"]["fwd_dev_ms"] == 0.927
+    assert r48["ours"]["fwd_dev_ms"] == 0.067 and r48["qla"]["fwdbwd_dev_ms"] == 0.333 and "fla" not in r48
