@@ -10,6 +10,7 @@ T = 1024 slice of each head configuration (the reference is the token loop, run 
 is the wall time of a fresh process importing the package and running a first forward+backward.
 
     python benchmarks/bench_gpu.py --out DIR [--no-fla] [--no-qla] [--reps 20] [--rows 1x32768:16:64,...]
+    python benchmarks/bench_gpu.py --plot-from RUN.json [RUN.json ...] --plot-to PNG     (the plot only, from runs)
 
 Writes DIR/bench_gpu.md (tables), DIR/bench_gpu.json and DIR/bench_gpu.png (device time per row, one bar per
 implementation), after every row, so that a run cut short keeps the rows it measured.
