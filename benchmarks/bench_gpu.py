@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 DEFAULT_ROWS = "1x32768:16:64,4x8192:16:64,1x32768:16:32,8x4096:16:32,1x8192:16:32,1x32768:2:8,1x8192:4:8"
 K = V = 128
+IMPLS = ("ours", "qla", "fla")  # the implementations a row can hold, in table order
 
 
 def parse_rows(s):
@@ -310,7 +311,7 @@ def report(meta, note, results, errs, cold):
              f"Command: `{meta['command']}`.", ""]
     if note:
         lines += [f"Note: {note}.", ""]
-    names = [n for n in ("ours", "qla", "fla") if any(n in r for r in results)]
+    names = [n for n in IMPLS if any(n in r for r in results)]
     label = {"ours": "ours", "qla": "FlashQLA", "fla": "FLA"}
     lines += ["Device time (sum of kernel durations per call, torch.profiler) and eager time (CUDA events around "
               "the call, host overhead included), ms; peak extra memory of forward+backward, GiB. A dash: not "
@@ -370,11 +371,11 @@ def merge_results(paths):
         for r in data["results"]:
             key = (r["B"], r["T"], r["H"], r["HV"])
             merged = rows.setdefault(key, {k: r[k] for k in ("B", "T", "H", "HV")})
-            for name in ("ours", "qla", "fla"):
+            for name in IMPLS:
                 if name in r and name not in merged:
                     merged[name] = r[name]
     order = {row: i for i, row in enumerate(parse_rows(DEFAULT_ROWS))}
-    keys = sorted(rows, key=lambda k: (order.get(k, len(order)), list(rows).index(k)))
+    keys = sorted(rows, key=lambda k: order.get(k, len(order)))  # (stable: the rest stay in first-seen order)
     return [rows[k] for k in keys], gpu
 
 

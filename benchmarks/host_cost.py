@@ -45,6 +45,15 @@ def args21(q, k, v, g, b):
             None, None, False)
 
 
+def fwd_bwd(xs, do):
+    """One forward+backward of leaves xs with output gradient do (the gradients cleared first), as a callable."""
+    def fb():
+        for x in xs:
+            x.grad = None
+        gated_delta_rule(*xs, scale=K ** -0.5)[0].backward(do)
+    return fb
+
+
 for (B, T, H, HV) in [(1, 64, 4, 8), (1, 8192, 4, 8), (1, 32768, 2, 8)]:
     xs, do = bg.make(B, T, H, HV, seed=1)
     xg, dog = bg.make(B, T, H, HV, seed=2, requires_grad=True)
@@ -59,13 +68,7 @@ for (B, T, H, HV) in [(1, 64, 4, 8), (1, 8192, 4, 8), (1, 32768, 2, 8)]:
             do, None, *args21(q, k, v, g, b)[:6], None, None, None, False, False, False, False, None, None, "auto",
             64, None, None, False))
     res["fwd autograd"] = host_us(lambda: gated_delta_rule(*xg, scale=K ** -0.5))
-
-    def fb():
-        for x in xg:
-            x.grad = None
-        o = gated_delta_rule(*xg, scale=K ** -0.5)[0]
-        o.backward(dog)
-
+    fb = fwd_bwd(xg, dog)
     res["fwd+bwd"] = host_us(fb)
 
     def ng(*x):
@@ -80,15 +83,7 @@ for (B, T, H, HV) in [(1, 64, 4, 8), (1, 8192, 4, 8), (1, 32768, 2, 8)]:
         f"{k_} {v_:.3f}" if "ms" in k_ else f"{k_} {v_:.1f} us" for k_, v_ in res.items()), flush=True)
 
 # one T = 64 forward+backward under the profiler: CPU operators with their self times
-xg, dog = bg.make(1, 64, 4, 8, seed=3, requires_grad=True)
-
-
-def fb1():
-    for x in xg:
-        x.grad = None
-    gated_delta_rule(*xg, scale=K ** -0.5)[0].backward(dog)
-
-
+fb1 = fwd_bwd(*bg.make(1, 64, 4, 8, seed=3, requires_grad=True))
 for _ in range(5):
     fb1()
 torch.cuda.synchronize()
