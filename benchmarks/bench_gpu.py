@@ -39,6 +39,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 DEFAULT_ROWS = "1x32768:16:64,4x8192:16:64,1x32768:16:32,8x4096:16:32,1x8192:16:32,1x32768:2:8,1x8192:4:8"
 K = V = 128
 IMPLS = ("ours", "qla", "fla")  # the implementations a row can hold, in table order
+PLOT_STYLE = {"ours": ("gated_delta (CUDA)", "tab:blue"), "qla": ("FlashQLA (TileLang)", "tab:orange"),
+              "fla": ("FLA (Triton)", "tab:green")}  # the plot's label and colour of each
 
 
 def parse_rows(s):
@@ -275,10 +277,7 @@ def plot(results, path, gpu):
         import matplotlib.pyplot as plt
     except Exception:  # noqa: BLE001
         return False
-    impls_ = [(n, lab, col) for n, lab, col in (("ours", "gated_delta (CUDA)", "tab:blue"),
-                                                ("qla", "FlashQLA (TileLang)", "tab:orange"),
-                                                ("fla", "FLA (Triton)", "tab:green"))
-              if any(n in r for r in results)]
+    impls_ = [(n, *PLOT_STYLE[n]) for n in IMPLS if any(n in r for r in results)]
     labels = [f'{r["B"]}x{r["T"]}\n{r["H"]}/{r["HV"]}' for r in results]
     width = 0.8 / max(1, len(impls_))
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))

@@ -17,11 +17,11 @@ import time
 
 import torch
 
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gpu as bg  # noqa: E402
 from gated_delta import gated_delta_rule  # noqa: E402
 
-K = 128
+K = bg.K
 
 
 def host_us(fn, n=200):
@@ -39,10 +39,13 @@ def host_us(fn, n=200):
     return statistics.median(ts) * 1e6
 
 
-def args21(q, k, v, g, b):
-    """The fwd op's arguments in schema order (defaults of gated_delta_rule)."""
-    return (q, k, v, g, b, K ** -0.5, None, False, None, None, False, False, False, False, None, None, "auto", 64,
-            None, None, False)
+# The ops' arguments in schema order with gated_delta_rule's defaults: the inputs (q, k, v, g, beta, scale,
+# initial_state), then, after the forward's output_final_state, the options both ops take
+OPTIONS = (None, None, False, False, False, False, None, None, "auto", 64, None, None, False)
+
+
+def op_inputs(q, k, v, g, b):
+    return (q, k, v, g, b, K ** -0.5, None)
 
 
 def fwd_bwd(xs, do):
@@ -61,12 +64,10 @@ for (B, T, H, HV) in [(1, 64, 4, 8), (1, 8192, 4, 8), (1, 32768, 2, 8)]:
     res = {}
     with torch.no_grad():
         res["py fwd"] = host_us(lambda: gated_delta_rule(q, k, v, g, b, scale=K ** -0.5))
-        res["op fwd"] = host_us(lambda: torch.ops.gated_delta.fwd(*args21(q, k, v, g, b)))
+        res["op fwd"] = host_us(lambda: torch.ops.gated_delta.fwd(*op_inputs(q, k, v, g, b), False, *OPTIONS))
         res["torch.empty x1"] = host_us(lambda: torch.empty(64, device="cuda"))
         res["add_ x1 (launch)"] = host_us(lambda: g.add_(0.0))
-        res["op bwd"] = host_us(lambda: torch.ops.gated_delta.bwd(
-            do, None, *args21(q, k, v, g, b)[:6], None, None, None, False, False, False, False, None, None, "auto",
-            64, None, None, False))
+        res["op bwd"] = host_us(lambda: torch.ops.gated_delta.bwd(do, None, *op_inputs(q, k, v, g, b), *OPTIONS))
     res["fwd autograd"] = host_us(lambda: gated_delta_rule(*xg, scale=K ** -0.5))
     fb = fwd_bwd(xg, dog)
     res["fwd+bwd"] = host_us(fb)
