@@ -105,7 +105,9 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const FragA<St>& a, 
 
 // ---- reads of a sw128 tile (16-bit) by ordinary shared-memory loads and ldmatrix ----
 // byte offset of element (r, c), c < 64, in a tile of one 64-column block; c even: the pair (c, c + 1) shares one
-// 4-byte word
+// 4-byte word. Address pairs, with c even: for an odd c = 2q + 1 in an unrolled loop over column tiles, nvcc 13.0
+// has been seen to compile the RT form below to the chunk (c ^ (r & 7)) instead of ((c >> 3) ^ (r & 7)) (a wrong
+// address, no diagnostic), while even columns compile right (tests/test_sw128_codegen.py checks the even form).
 __device__ __forceinline__ int sw128_off(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7)) << 4) | ((c & 7) * 2)); }
 // ... in a tile of RT rows per 64-column block, any column
 template <int RT> __device__ __forceinline__ int sw128_off(int r, int c) {
