@@ -1,7 +1,8 @@
 """The shared-memory addresses the CUDA kernels read their 128-byte swizzled tiles with (csrc/cuda/delta_rule/wgmma.cuh,
-`sw128_off`), as the installed nvcc compiles them: a kernel that stores the address of every element pair the
-kernels read (even columns, inside unrolled loops over column tiles, as the kernels write them) is compiled to PTX,
-the PTX is evaluated here for every thread of a warpgroup, and each address is compared with the layout's formula.
+`sw128_off`), as the installed nvcc compiles them: kernels that store the address of every element pair the
+kernels read (even columns, inside unrolled loops over column tiles, as the kernels write them) and of every row
+ldmatrix reads (lda_sw128 and lda_t_sw128's pattern) are compiled to PTX, the PTX is evaluated here for every thread
+of a warpgroup, and each address is compared with the layout's formula.
 
 nvcc 13.0 has been seen to compile the same expression wrong at odd columns (the 16-byte chunk (c ^ (r & 7)) instead
 of ((c >> 3) ^ (r & 7))), which is why the kernels address pairs only; this test keeps the form they rely on honest
@@ -28,14 +29,30 @@ __device__ __forceinline__ void pairs(int* out, int c0) {
     for (int nt = 0; nt < NT8; ++nt)
       out[(t * 2 + hr) * NT8 + nt] = sw128_off<RT>(16 * warp + g8 + 8 * hr, c0 + 8 * nt + 2 * q);
 }
+// the row addresses of ldmatrix x4 as lda_sw128 / lda_t_sw128 form them, over unrolled 16 x 16 steps (m0, k0)
+template <int RT, int TRANS>
+__device__ __forceinline__ void ldsm_rows(int* out) {
+  const int t = threadIdx.x, lane = t & 31, mi = lane >> 3;
+#pragma unroll
+  for (int m = 0; m < 4; ++m)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int m0 = 16 * m, k0 = 16 * k;
+      out[t * 32 + m * 8 + k] = TRANS ? sw128_off<RT>(k0 + (lane & 7) + (mi >> 1) * 8, m0 + (mi & 1) * 8)
+                                      : sw128_off<RT>(m0 + (lane & 7) + (mi & 1) * 8, k0 + (mi >> 1) * 8);
+    }
+}
+extern "C" __global__ void ldsm64(int* out) { ldsm_rows<64, 0>(out); }
+extern "C" __global__ void ldsm128t(int* out) { ldsm_rows<128, 1>(out); }
 extern "C" __global__ void rows64(int* out) { pairs<64, 8>(out, 0); }      // a 64 x 64 tile (A, DAE, R')
 extern "C" __global__ void rows64w(int* out) { pairs<64, 16>(out, 0); }    // 64 rows, 128 columns (Q, K, V)
 extern "C" __global__ void rows128(int* out) { pairs<128, 16>(out, 0); }   // 128 rows per block (hT, dS^T)
 extern "C" __global__ void half64(int* out) { pairs<64, 8>(out, 64); }     // the second column block only
 """
 
-# (RT, column tiles, first column) of each kernel above
+# (RT, column tiles, first column) of each pair kernel above; (RT, transposed) of each ldmatrix kernel
 CASES = {"rows64": (64, 8, 0), "rows64w": (64, 16, 0), "rows128": (128, 16, 0), "half64": (64, 8, 64)}
+LDSM = {"ldsm64": (64, False), "ldsm128t": (128, True)}
 
 
 def header_definitions():
@@ -72,8 +89,9 @@ _OPS = {
 
 def eval_ptx(body, tid):
     """The global stores of a straight-line PTX entry body for thread `tid`: {byte offset from the parameter: value}.
-    Covers what the kernels above compile to (integer and/or/xor/add/sub/shl/shr/mul/mad/mov/cvt, the parameter's
-    address, st.global); any other instruction fails the test, so that an unevaluated step is never skipped."""
+    Covers what the kernels above compile to (integer and/or/xor/add/sub/shl/shr/mul/mad/bfi/mov/cvt, the
+    parameter's address, st.global); any other instruction fails the test, so that an unevaluated step is never
+    skipped."""
     regs, stores = {}, {}
 
     def val(x):
@@ -116,6 +134,10 @@ def eval_ptx(body, tid):
             regs[args[0]] = (sx(a) >> val(args[2])) & mask if signed else a >> val(args[2])
         elif base == "mul" and "wide" in parts:
             regs[args[0]] = (sx(val(args[1])) * sx(val(args[2]))) & ((1 << 64) - 1)
+        elif base == "bfi":  # d = b with bits [pos, pos + len) taken from a's low bits
+            pos, ln = val(args[3]), val(args[4])
+            field = ((1 << ln) - 1) << pos
+            regs[args[0]] = ((val(args[2]) & ~field) | ((val(args[1]) << pos) & field)) & mask
         elif base == "mad":
             regs[args[0]] = (val(args[1]) * val(args[2]) + val(args[3])) & mask
         elif base in _OPS:
@@ -133,7 +155,7 @@ def entry_bodies(ptx):
     return out
 
 
-def test_even_column_pairs_compile_to_the_layout(tmp_path):
+def test_tile_addresses_compile_to_the_layout(tmp_path):
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found")
@@ -146,7 +168,7 @@ def test_even_column_pairs_compile_to_the_layout(tmp_path):
         capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
     bodies = entry_bodies(ptx.read_text())
-    assert set(bodies) == set(CASES), f"entries found: {sorted(bodies)}"
+    assert set(bodies) == set(CASES) | set(LDSM), f"entries found: {sorted(bodies)}"
     wrong = []
     for name, (rt, nt8, c0) in CASES.items():
         checked = 0
@@ -163,4 +185,20 @@ def test_even_column_pairs_compile_to_the_layout(tmp_path):
                     if got[key] != sw128_off(rt, r, c):
                         wrong.append(f"{name} (row {r}, column {c}): {got[key]} instead of {sw128_off(rt, r, c)}")
         assert checked == 128 * 2 * nt8
+    for name, (rt, trans) in LDSM.items():
+        for t in range(128):
+            lane = t & 31
+            mi = lane >> 3
+            got = eval_ptx(bodies[name], t)
+            for m in range(4):
+                for k in range(8):
+                    m0, k0 = 16 * m, 16 * k
+                    if trans:
+                        r, c = k0 + (lane & 7) + (mi >> 1) * 8, m0 + (mi & 1) * 8
+                    else:
+                        r, c = m0 + (lane & 7) + (mi & 1) * 8, k0 + (mi >> 1) * 8
+                    key = 4 * (t * 32 + m * 8 + k)
+                    assert key in got, f"{name}: thread {t} stored no address for ({m0}, {k0})"
+                    if got[key] != sw128_off(rt, r, c):
+                        wrong.append(f"{name} (row {r}, column {c}): {got[key]} instead of {sw128_off(rt, r, c)}")
     assert not wrong, f"{len(wrong)} addresses compiled wrong, e.g. " + "; ".join(wrong[:5])
