@@ -1,6 +1,8 @@
-"""Shared helpers of the CPU algorithm tests: random inputs, the reference, relative errors."""
+"""Shared helpers of the CPU algorithm tests: random inputs, the reference, relative errors; and where nvcc is."""
 import contextlib
 import itertools
+import os
+import shutil
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -134,3 +136,13 @@ def cotangents(gen: torch.Generator, inputs: Dict):
     d_o = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
     d_ht = torch.randn(N, HV, K, V, generator=gen, dtype=torch.float64)
     return d_o, d_ht
+
+
+def find_nvcc() -> Optional[str]:
+    """nvcc on PATH, else in CUDA_HOME (or CUDA_PATH, or /usr/local/cuda)'s bin; None when there is none"""
+    found = shutil.which("nvcc")
+    if found is None:
+        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+        cand = os.path.join(home, "bin", "nvcc")
+        found = cand if os.path.exists(cand) else None
+    return found

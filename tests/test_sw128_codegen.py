@@ -9,10 +9,11 @@ of ((c >> 3) ^ (r & 7))), which is why the kernels address pairs only; this test
 for whichever nvcc builds the extension. Runs on the CPU; needs nvcc (skipped without)."""
 import os
 import re
-import shutil
 import subprocess
 
 import pytest
+
+from helpers import find_nvcc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,15 +67,6 @@ def header_definitions():
     return plain.group(0) + templ.group(0)
 
 
-def _nvcc():
-    found = shutil.which("nvcc")
-    if found is None:
-        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-        cand = os.path.join(home, "bin", "nvcc")
-        found = cand if os.path.exists(cand) else None
-    return found
-
-
 def sw128_off(rt, r, c):
     """the layout: 16-byte chunk (c mod 64) / 8 XOR (r mod 8) within row r of the c // 64-th block of rt rows"""
     c6 = c & 63
@@ -96,7 +88,7 @@ def eval_ptx(body, tid):
 
     def val(x):
         x = x.strip()
-        if x in ("%tid.x",):
+        if x == "%tid.x":
             return tid
         if x in ("%tid.y", "%tid.z", "%ctaid.x", "%ctaid.y", "%ctaid.z"):
             return 0
@@ -156,7 +148,7 @@ def entry_bodies(ptx):
 
 
 def test_tile_addresses_compile_to_the_layout(tmp_path):
-    nvcc = _nvcc()
+    nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found")
     src = tmp_path / "sw128_codegen.cu"
@@ -170,21 +162,20 @@ def test_tile_addresses_compile_to_the_layout(tmp_path):
     bodies = entry_bodies(ptx.read_text())
     assert set(bodies) == set(CASES) | set(LDSM), f"entries found: {sorted(bodies)}"
     wrong = []
+
+    def check(name, got, key, rt, r, c):  # thread's store `key` holds the address of (r, c) in a tile of rt rows
+        assert key in got, f"{name}: no address stored for row {r}, column {c}"
+        if got[key] != sw128_off(rt, r, c):
+            wrong.append(f"{name} (row {r}, column {c}): {got[key]} instead of {sw128_off(rt, r, c)}")
+
     for name, (rt, nt8, c0) in CASES.items():
-        checked = 0
         for t in range(128):
             warp, lane = t >> 5, t & 31
             g8, q = lane >> 2, lane & 3
             got = eval_ptx(bodies[name], t)
             for hr in range(2):
                 for nt in range(nt8):
-                    r, c = 16 * warp + g8 + 8 * hr, c0 + 8 * nt + 2 * q
-                    key = 4 * ((t * 2 + hr) * nt8 + nt)
-                    assert key in got, f"{name}: thread {t} stored no address for row {r}, column {c}"
-                    checked += 1
-                    if got[key] != sw128_off(rt, r, c):
-                        wrong.append(f"{name} (row {r}, column {c}): {got[key]} instead of {sw128_off(rt, r, c)}")
-        assert checked == 128 * 2 * nt8
+                    check(name, got, 4 * ((t * 2 + hr) * nt8 + nt), rt, 16 * warp + g8 + 8 * hr, c0 + 8 * nt + 2 * q)
     for name, (rt, trans) in LDSM.items():
         for t in range(128):
             lane = t & 31
@@ -197,8 +188,5 @@ def test_tile_addresses_compile_to_the_layout(tmp_path):
                         r, c = k0 + (lane & 7) + (mi >> 1) * 8, m0 + (mi & 1) * 8
                     else:
                         r, c = m0 + (lane & 7) + (mi & 1) * 8, k0 + (mi >> 1) * 8
-                    key = 4 * (t * 32 + m * 8 + k)
-                    assert key in got, f"{name}: thread {t} stored no address for ({m0}, {k0})"
-                    if got[key] != sw128_off(rt, r, c):
-                        wrong.append(f"{name} (row {r}, column {c}): {got[key]} instead of {sw128_off(rt, r, c)}")
+                    check(name, got, 4 * (t * 32 + m * 8 + k), rt, r, c)
     assert not wrong, f"{len(wrong)} addresses compiled wrong, e.g. " + "; ".join(wrong[:5])

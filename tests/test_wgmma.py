@@ -2,11 +2,12 @@
 compiled with nvcc for sm_90a and run; it compares 64 x 64 and 64 x 128 products (B K-major and N-major, read from
 the 128-byte swizzled shared-memory layout) with the host's, exactly. Needs a Hopper GPU and nvcc."""
 import os
-import shutil
 import subprocess
 
 import pytest
 import torch
+
+from helpers import find_nvcc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -16,19 +17,10 @@ pytestmark = [
 ]
 
 
-def _nvcc():
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    found = shutil.which("nvcc")
-    if found is None and CUDA_HOME is not None and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
-        found = os.path.join(CUDA_HOME, "bin", "nvcc")
-    return found
-
-
 def test_wgmma_wrappers_exact(tmp_path):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma needs compute capability 9.0 (sm_90a)")
-    nvcc = _nvcc()
+    nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found")
     inc = os.path.join(os.path.dirname(torch.__file__), "include")
