@@ -7,6 +7,12 @@
 #
 # Needs nvcc (CUDA 13.x) on PATH or in CUDA_HOME. The torch wheel must match nvcc's CUDA major version; torch
 # 2.14.1 is built with CUDA 13.0.
+#
+# The same build serves a GPU machine whose torch differs from this one's: with GD_CUDA_TORCH set to that machine's
+# exact torch (e.g. torch==2.11.0, a CUDA 13.0 build) and GD_CUDA_SO_OUT=FILE, the extension (Python's stable ABI,
+# so any Python >= 3.9 loads it) is also written to FILE without its host debug sections (about 40 MB instead of
+# 68). Put it at python/gated_delta/_C.abi3.so of the same source tree there and run with PYTHONPATH=python: no
+# compile on that machine.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -62,3 +68,8 @@ nm -C "$so" > "$WORK/symbols.txt"
 grep -q "core_forward_cuda" "$WORK/symbols.txt" || { echo "check_cuda_build: CUDA core missing from $so" >&2; exit 1; }
 grep -q "state_fwd_kernel" "$WORK/symbols.txt" || { echo "check_cuda_build: CUDA kernels missing from $so" >&2; exit 1; }
 echo "check_cuda_build: OK ($so, $(( $(date +%s) - start )) s)"
+if [ -n "${GD_CUDA_SO_OUT:-}" ]; then
+  cp "$so" "$GD_CUDA_SO_OUT"
+  strip --strip-debug "$GD_CUDA_SO_OUT"
+  echo "check_cuda_build: $GD_CUDA_SO_OUT ($(du -h "$GD_CUDA_SO_OUT" | cut -f1))"
+fi
