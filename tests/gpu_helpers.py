@@ -1,8 +1,9 @@
 """Shared helpers of the GPU tests and benchmark: input generation, float64 references, relative errors.
 
 Run as a script for a small forward + backward on the GPU (used under compute-sanitizer):
-    compute-sanitizer --tool memcheck python tests/gpu_helpers.py [small | segments]
-("segments": one tiny shape on the segments of algorithm="auto", a proven head and one that falls back)
+    compute-sanitizer --tool memcheck python tests/gpu_helpers.py [small | segments | fused]
+("segments": one tiny shape on the segments of algorithm="auto", a proven head and one that falls back; "fused":
+the one-kernel forward, an equal-length batch and a varlen one)
 """
 import sys
 
@@ -172,7 +173,25 @@ def _sanitize_main(small=False):
                 print(algo, dtype, K, V, "ok", all(torch.isfinite(x).all().item() for x in r.values()))
 
 
+def _sanitize_fused():
+    """The one-kernel forward (GATED_DELTA_FUSED_FWD=1; 16-bit, K = V = 128, 256 tiles of 64 columns): 4 x 65 tokens
+    with 32 value heads in groups of two, and a varlen batch of lengths 0, 1, 63, 400 with 64 value heads; a backward
+    after the first."""
+    for (B, T, H, HV, cu) in ((4, 65, 16, 32, None), (1, 464, 16, 64, [0, 0, 1, 64, 464])):
+        inp = make_inputs(B, T, H, HV, 128, 128, torch.bfloat16, cu_seqlens=cu)
+        N = B if cu is None else len(cu) - 1
+        d_o = torch.randn(B, T, HV, 128, device="cuda").to(torch.bfloat16)
+        d_ht = torch.randn(N, HV, 128, 128, device="cuda")
+        r = run_ours(inp, d_o, d_ht, grads=cu is None)
+        torch.cuda.synchronize()
+        print("fused", B, T, HV, "ok", all(torch.isfinite(x).all().item() for x in r.values()))
+
+
 if __name__ == "__main__":
+    if "fused" in sys.argv[1:]:
+        import os
+        os.environ["GATED_DELTA_FUSED_FWD"] = "1"
+        sys.exit(_sanitize_fused())
     if "segments" in sys.argv[1:]:
         sys.exit(_sanitize_segments())
     sys.exit(_sanitize_main(small="small" in sys.argv[1:]))

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -444,6 +445,16 @@ void run_state_pass(Call& c, bool reverse, int mode, const float* init, float* f
   launch(mode);
 }
 
+// Whether this forward runs as one kernel (fwd_fused.cu: the preparation inside the state pass, warp-specialised)
+// rather than prep + state_fwd. Opt-in, with GATED_DELTA_FUSED_FWD=1 in the environment (read per call): on an H200
+// it is correct but slower than the two kernels so far (benchmarks/RESULTS.md, "The forward in one warp-specialised
+// kernel").
+bool fused_forward(const Call& c) {
+  const char* e = std::getenv("GATED_DELTA_FUSED_FWD");
+  if (e == nullptr || std::string(e) != "1") return false;
+  return cuda::fwd_fused_applies(c.dt, c.p.K, c.p.V, c.p.tile32, c.L.scan, c.L.warm);
+}
+
 // ---- head dims between the kernels' sizes ----
 // K and V that are not one of the kernels' head dims (dispatch.cuh) are zero-padded to the next one. Exact: the
 // padded columns of q and k (after the op layer's L2 norm) and the padded rows of the initial state are zero, so
@@ -489,20 +500,27 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
   }
   c10::cuda::CUDAGuard guard(a.q.device());
   Call c = begin_call(a, /*backward=*/false);
-  Workspace ws;
-  const Regions r = plan_workspace(ws, c, /*backward=*/false, /*dk1_own=*/false);
-  ws.allocate(c.opts);
-  bind(c.p, ws, r);
   at::Tensor o = at::empty(c.in.v.sizes(), c.in.v.options());
   at::Tensor ht;
   if (output_final_state) ht = at::empty(state_dims(c, a.state_v_first), c.fopts);
   c.p.o = o.data_ptr();
-  cuda::launch_prep(c.p, c.dt, c.stream);
-  run_state_pass(c, /*reverse=*/false, /*mode=*/0, c.in.h0.defined() ? c.in.h0.data_ptr<float>() : nullptr,
-                 ht.defined() ? ht.data_ptr<float>() : nullptr);
   CoreForward out;
   out.o = o;
   out.final_state = ht;
+  if (fused_forward(c)) {  // one kernel, no intermediates in memory
+    c.p.init = c.in.h0.defined() ? c.in.h0.data_ptr<float>() : nullptr;
+    c.p.init_by_unit = 0;
+    c.p.fin = ht.defined() ? ht.data_ptr<float>() : nullptr;
+    cuda::launch_fwd_fused(c.p, c.dt, c.stream);
+    return out;
+  }
+  Workspace ws;
+  const Regions r = plan_workspace(ws, c, /*backward=*/false, /*dk1_own=*/false);
+  ws.allocate(c.opts);
+  bind(c.p, ws, r);
+  cuda::launch_prep(c.p, c.dt, c.stream);
+  run_state_pass(c, /*reverse=*/false, /*mode=*/0, c.in.h0.defined() ? c.in.h0.data_ptr<float>() : nullptr,
+                 ht.defined() ? ht.data_ptr<float>() : nullptr);
   return out;
 }
 

@@ -22,6 +22,15 @@ constexpr int kLdF = C + 4;
 // the same Tf zeros them once.
 constexpr int kInvScratch = 32 * 33;
 
+// The barrier that closes each phase of the inverse among its 128 threads: the CTA's (__syncthreads), or a named
+// barrier when the 128 threads are one warpgroup of a larger CTA (NamedBar<ID>: bar.sync ID, 128).
+struct CtaBar {
+  __device__ __forceinline__ void operator()() const { __syncthreads(); }
+};
+template <int ID> struct NamedBar {
+  __device__ __forceinline__ void operator()() const { asm volatile("bar.sync %0, 128;\n" ::"n"(ID) : "memory"); }
+};
+
 // Zeros the six 16 x 16 blocks of Tf above its diagonal blocks: 384 float4 stores, 3 per thread.
 __device__ __forceinline__ void zero_inverse_upper(float* Tf, int tid) {
 #pragma unroll
@@ -59,7 +68,9 @@ __device__ __forceinline__ void inverse_diag_blocks(const float* Mf, float* Tf, 
 // are directly the B fragments of B^-1 P (mma.cuh). Only the 32 -> 64 level passes blocks between warps: P[0][nh]
 // from warp (0, nh) to warp (1, nh) through Pf (32 bytes per lane). Blocks of A^-1 and B^-1 above the diagonal
 // (zero) are skipped.
+template <class Bar = CtaBar>
 __device__ __forceinline__ void block_inverse_tf32(const float* Mf, float* Tf, float* Pf, int tid) {
+  const Bar sync_threads;
   constexpr int LD = kLdF;
   const int warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
   // -X's accumulator tiles to the 16 x 16 block of Tf at (r, c)
@@ -72,7 +83,7 @@ __device__ __forceinline__ void block_inverse_tf32(const float* Mf, float* Tf, f
             make_float2(-x[nt][2 * hr], -x[nt][2 * hr + 1]);
   };
   inverse_diag_blocks(Mf, Tf, tid);
-  __syncthreads();
+  sync_threads();
   if (warp < 2) {  // 16 -> 32: rows r1 = r0 + 16 against columns r0 of the diagonal 32-block r0
     const int r0 = 32 * warp, r1 = r0 + 16;
     uint32_t pb[2][2][2];  // P = M[r1][r0] A^-1 as a B operand, from P^T
@@ -94,7 +105,7 @@ __device__ __forceinline__ void block_inverse_tf32(const float* Mf, float* Tf, f
     }
     store_neg(x, r1, r0);
   }
-  __syncthreads();
+  sync_threads();
   // 32 -> 64: warp w forms P[mt][nh] (16 x 16 blocks of P = M[32:, :32] A^-1; mt = w / 2, nh = w % 2) from P^T,
   // then X[mt][nh] = -sum_{k <= mt} B^-1[mt][k] P[k][nh]
   const int mt = warp >> 1, nh = warp & 1;
@@ -131,21 +142,23 @@ __device__ __forceinline__ void block_inverse_tf32(const float* Mf, float* Tf, f
     slot[32] = make_uint4(pb[1][0][0], pb[1][0][1], pb[1][1][0], pb[1][1][1]);
     merge_out(pb);
   }
-  __syncthreads();
+  sync_threads();
   if (mt == 1) {
     const uint4 u = slot[0], v = slot[32];
     const uint32_t p0[2][2][2] = {{{u.x, u.y}, {u.z, u.w}}, {{v.x, v.y}, {v.z, v.w}}};
     merge_out(p0);
   }
-  __syncthreads();
+  sync_threads();
 }
 
 // The merges in split bf16x3 (TF32 = false)
+template <class Bar = CtaBar>
 __device__ __forceinline__ void block_inverse_split(const float* Mf, float* Tf, float* Pf, int tid) {
+  const Bar sync_threads;
   constexpr int LD = kLdF;
   const int warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
   inverse_diag_blocks(Mf, Tf, tid);
-  __syncthreads();
+  sync_threads();
   if (warp < 2) {  // 16 -> 32: rows r1 = r0 + 16 against columns r0 of the diagonal 32-block r0
     const int r0 = 32 * warp, r1 = r0 + 16;
     float* Pw = Pf + warp * (16 * 17);
@@ -176,7 +189,7 @@ __device__ __forceinline__ void block_inverse_split(const float* Mf, float* Tf, 
 #pragma unroll
       for (int e = 0; e < 4; ++e) Tf[(r1 + g8 + 8 * (e >> 1)) * LD + r0 + 8 * nt + 2 * q + (e & 1)] = -acc[nt][e];
   }
-  __syncthreads();
+  sync_threads();
   // 32 -> 64: P = M[32:, :32] A^-1, then X = -B^-1 P; warp w owns the 16 x 16 block (mt = w / 2, nh = w % 2)
   const int mt = warp >> 1, nh = warp & 1;
   float acc[2][4];
@@ -193,7 +206,7 @@ __device__ __forceinline__ void block_inverse_split(const float* Mf, float* Tf, 
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) Pf[(16 * mt + g8 + 8 * (e >> 1)) * 33 + 16 * nh + 8 * nt + 2 * q + (e & 1)] = acc[nt][e];
-  __syncthreads();
+  sync_threads();
   zero_acc(acc);
 #pragma unroll
   for (int kt = 0; kt < 2; ++kt) {
@@ -208,14 +221,16 @@ __device__ __forceinline__ void block_inverse_split(const float* Mf, float* Tf, 
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       Tf[(32 + 16 * mt + g8 + 8 * (e >> 1)) * LD + 16 * nh + 8 * nt + 2 * q + (e & 1)] = -acc[nt][e];
-  __syncthreads();
+  sync_threads();
 }
 
 // (I + M)^-1 with the merges' products in split bf16x3 (TF32 = false) or tf32 (TF32 = true: 16-bit inputs only)
-template <bool TF32 = false>
+// Bar: the barrier of its phases (CtaBar: a CTA of 128 threads; NamedBar: one warpgroup of a larger CTA, tid
+// counted from its first thread).
+template <bool TF32 = false, class Bar = CtaBar>
 __device__ __forceinline__ void block_inverse(const float* Mf, float* Tf, float* Pf, int tid) {
-  if constexpr (TF32) block_inverse_tf32(Mf, Tf, Pf, tid);
-  else block_inverse_split(Mf, Tf, Pf, tid);
+  if constexpr (TF32) block_inverse_tf32<Bar>(Mf, Tf, Pf, tid);
+  else block_inverse_split<Bar>(Mf, Tf, Pf, tid);
 }
 
 }  // namespace cuda

@@ -97,11 +97,41 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const FragA<St>& a, 
     else GD_WG_N128("bf16");
   }
 }
+
+// acc = 0: d = A B; acc = 1: d += A B, with A 64 x 16 from shared memory too (descriptor da, K-major sw128, as B's
+// K-major form), N = 64.
+#define GD_WG_SS64(TY)                                                                                        \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                  \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " GD_WG_D64                         \
+               ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                             \
+               : GD_WG_F4(0), GD_WG_F4(1), GD_WG_F4(2), GD_WG_F4(3), GD_WG_F4(4), GD_WG_F4(5), GD_WG_F4(6), \
+                 GD_WG_F4(7)                                                                                  \
+               : "l"(da), "l"(db), "r"(acc))
+template <class St>
+__device__ __forceinline__ void wgmma_ss(float (&d)[8][4], uint64_t da, uint64_t db, int acc) {
+  static_assert(HasWgmma<St>::value, "wgmma products take 16-bit operands");
+  if constexpr (std::is_same_v<St, __half>) GD_WG_SS64("f16");
+  else GD_WG_SS64("bf16");
+}
+#undef GD_WG_SS64
 #undef GD_WG_N128
 #undef GD_WG_N64
 #undef GD_WG_D128
 #undef GD_WG_D64
 #undef GD_WG_F4
+
+// ---- warp-specialised CTAs ----
+// Named barriers (IDs 1..15; 0 is __syncthreads): bar_sync waits until n threads (a multiple of 32) have arrived
+// or synced on id, bar_arrive counts this thread's warp without waiting. Shared-memory writes before either are
+// visible after the barrier to the threads that sync on it.
+__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+// The warpgroup's register budget per thread (a multiple of 8, 24..256): lowered by a warpgroup that needs few,
+// raised by those that then take them
+template <int R> __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)); }
+template <int R> __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R)); }
 
 // ---- reads of a sw128 tile (16-bit) by ordinary shared-memory loads and ldmatrix ----
 // byte offset of element (r, c), c < 64, in a tile of one 64-column block; c even: the pair (c, c + 1) shares one

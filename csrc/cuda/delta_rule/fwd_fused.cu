@@ -1,0 +1,389 @@
+// The forward in one kernel, warp-specialised: one CTA of three warpgroups per (work unit, 128 value columns, value
+// head). Warpgroups 0 and 1 carry the unit's state, one 64-column tile each, through its chunks exactly as
+// state_fwd's warpgroup pass does (state_fwd.cuh: Vn^T = (V^T - (K S)^T diag(e^gam)) (Tm diag(beta))^T, the output,
+// the state update). Warpgroup 2 is their producer: it loads each chunk's K | Q and V tiles and computes, one chunk
+// ahead of them, what prep.cu writes to memory for the two-kernel forward: the in-chunk cumulative gate gam (and
+// e^gam, e^{gam_L - gam}), K K^T and Q K^T (wgmma, both operands from the K | Q tile), M = strictly-lower(beta_i
+// k_i.k_j e^{gam_i - gam_j}), Tm = (I + M)^-1 (tri_inverse.cuh, merges in tf32), A = lower(Q K^T o E) and
+// Tm diag(beta), the last two straight into the sw128 tiles the state products read. Nothing of it goes through
+// memory, and the products of the inverse run while the state warpgroups run the previous chunk.
+//
+// Shared memory: three K | Q slots (the producer loads chunk c + 1's while it works on chunk c and the state
+// warpgroups read chunk c - 1's), two slots of the per-chunk tiles (A, Tm diag(beta), V and the gates), the
+// output's staging tile, and the producer's fp32 tiles (M, Tm, the inverse's scratch, beta). Named barriers hand
+// the slots over (FULL: the producer has filled the slot of chunk c; EMPTY: the state warpgroups are done with
+// chunk c); the producer and the state warpgroups also have a barrier each of their own.
+//
+// Where it runs (fwd_fused_applies in params.h): 16-bit inputs, K = 128, V a multiple of 128, whole sequences (no
+// segments, no scan). Bitwise deterministic: every value is computed by one thread in a fixed order.
+#include <type_traits>
+
+#include "../dispatch.cuh"
+#include "chunks.cuh"
+#include "mma.cuh"
+#include "tile_load.cuh"
+#include "tri_inverse.cuh"
+#include "warmup.cuh"
+#include "wgmma.cuh"
+
+namespace gated_delta {
+namespace cuda {
+
+template <class St>
+struct FusedFwdCfg {
+  static constexpr int K = 128, TW = 64, NT = 384;
+  static constexpr int LDT = 2 * TW + PadOf<St>::value;  // V tile and output staging: the CTA's 128 columns
+  static constexpr size_t KQ_BYTES = 2 * 128 * 128;       // two 64-column blocks of 128 rows (K: 0..63, Q: 64..127)
+  static constexpr size_t A_OFF = 0, T_OFF = 8192, V_OFF = 16384;
+  static constexpr size_t G_OFF = V_OFF + sizeof(St) * C * LDT;  // gam, e^gam, e^{gam_L - gam}: 64 floats each
+  static constexpr size_t SLOT_BYTES = (G_OFF + 3 * 256 + 1023) / 1024 * 1024;
+  static constexpr size_t OS_BYTES = sizeof(St) * C * LDT;
+  static constexpr size_t PREP_BYTES = sizeof(float) * (2 * C * kLdF + kInvScratch + 2 * C);  // Mf, Tf, Pf, beta x 2
+  static constexpr size_t bytes = 3 * KQ_BYTES + 2 * SLOT_BYTES + OS_BYTES + PREP_BYTES + 1024;
+  static_assert(bytes <= 227 * 1024, "shared memory of one CTA");
+};
+
+// named barriers (0 is __syncthreads)
+constexpr int kBarFull = 1;   // + slot: the producer has filled it
+constexpr int kBarEmpty = 3;  // + slot: the state warpgroups are done with it
+constexpr int kBarState = 5;  // the two state warpgroups
+constexpr int kBarPrep = 6;   // the producer warpgroup
+// Registers per thread, moved between the warpgroups with setmaxnreg within what the CTA holds at launch (168 per
+// thread for 384 threads: 2 x 128 x 200 + 128 x 104 = 64512; asking for more than that would wait forever). The
+// state warpgroups hold the state (64), the products' accumulators and operands; the producer's largest part is
+// one 64 x 64 accumulator.
+constexpr int kRegsState = 200, kRegsProducer = 104;
+static_assert(2 * 128 * kRegsState + 128 * kRegsProducer <= 168 * 384, "more registers than the CTA holds");
+
+template <class St>
+__global__ void __launch_bounds__(384, 1) fwd_fused_kernel(const Params p) {
+  using F = FusedFwdCfg<St>;
+  constexpr int K = F::K, LDT = F::LDT, LDF = kLdF;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  unsigned char* kq0 = smem;
+  unsigned char* slot0 = smem + 3 * F::KQ_BYTES;
+  St* Os = reinterpret_cast<St*>(slot0 + 2 * F::SLOT_BYTES);
+  float* Mf = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(Os) + F::OS_BYTES);
+  float* Tf = Mf + C * LDF;
+  float* Pf = Tf + C * LDF;
+  float* bet2 = Pf + kInvScratch;  // beta of chunks with even / odd index (warp 0 writes the next one's early)
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
+  const int wg = warp >> 2, vr = warp & 3;
+  const int u = blockIdx.x, vt0 = blockIdx.y * 2, hv = blockIdx.z, h = hv / p.G;
+  const Unit un = get_unit(p, u);
+  Run run;
+  if (!plan_run<false>(p, u, un, hv, vt0, run)) return;
+  const int n_it = run.re - run.rb;
+  const int64_t HK = static_cast<int64_t>(p.H) * K;
+  auto kq_slot = [&](int it) { return kq0 + (it % 3) * F::KQ_BYTES; };
+  auto slot = [&](int it) { return slot0 + (it & 1) * F::SLOT_BYTES; };
+
+  if (wg == 2) {
+    // ---------------- producer ----------------
+    setmaxnreg_dec<kRegsProducer>();
+    const int pt = tid - 256, pw = warp - 8;
+    auto load_kq = [&](int it) {
+      const ChunkInfo ci = chunk_info(p, run.rb + it, un.n);
+      unsigned char* s = kq_slot(it);
+      load_tile_sw128<St, C, K, 128, 128>(s, 0, static_cast<const St*>(p.k) + ci.bos * HK + h * K, HK, ci.len, pt);
+      load_tile_sw128<St, C, K, 128, 128>(s, 64, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, pt);
+    };
+    auto load_v = [&](int it) {
+      const ChunkInfo ci = chunk_info(p, run.rb + it, un.n);
+      load_tile<St, C, 2 * F::TW, 128>(reinterpret_cast<St*>(slot(it) + F::V_OFF), LDT,
+                                       static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V + vt0 * F::TW,
+                                       static_cast<int64_t>(p.HV) * p.V, ci.len, pt);
+    };
+    // warp 0 holds the gates and betas of rows 2 lane, 2 lane + 1 of the next chunk
+    const int i0 = 2 * lane, i1 = i0 + 1;
+    float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
+    auto fetch_gates = [&](int it) {
+      a0 = a1 = b0 = b1 = 0.f;
+      const ChunkInfo ci = chunk_info(p, run.rb + it, un.n);
+      const int64_t t0 = (ci.bos + i0) * p.HV + hv, t1 = t0 + p.HV;
+      if (i0 < ci.len) { a0 = p.g[t0]; b0 = load_as_float(p.beta, p.beta_dtype, t0); }
+      if (i1 < ci.len) { a1 = p.g[t1]; b1 = load_as_float(p.beta, p.beta_dtype, t1); }
+    };
+    if (n_it > 0) {
+      load_kq(0);
+      cp_async_commit();
+      if (pw == 0) fetch_gates(0);
+    }
+    // A's tiles above the diagonal blocks and Tm's blocks above its diagonal blocks are never written below:
+    // zero once
+    for (int e = pt; e < 2 * 8192 / 16; e += 128) {
+      unsigned char* a = slot(e >> 9) + F::A_OFF + (e & 511) * 16;
+      *reinterpret_cast<uint4*>(a) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    zero_inverse_upper(Tf, pt);
+
+#pragma unroll 1
+    for (int it = 0; it < n_it; ++it) {
+      if (it >= 2) bar_sync(kBarEmpty + (it & 1), 384);  // chunk it - 2 is done: its slot and K | Q slot are free
+      load_v(it);
+      cp_async_commit();
+      if (it + 1 < n_it) load_kq(it + 1);
+      cp_async_commit();
+      unsigned char* sl = slot(it);
+      unsigned char* kq = kq_slot(it);
+      float* bet = bet2 + (it & 1) * C;
+      float* gs = reinterpret_cast<float*>(sl + F::G_OFF);
+      float* eg = gs + C;
+      float* egl = gs + 2 * C;
+      if (pw == 0) {
+        const float incl = warp_incl_scan(a0 + a1);
+        float excl = __shfl_up_sync(0xffffffffu, incl, 1);
+        if (lane == 0) excl = 0.f;
+        const float y0 = excl + a0, y1 = y0 + a1;
+        const float yl = __shfl_sync(0xffffffffu, y1, 31);
+        *reinterpret_cast<float2*>(gs + i0) = make_float2(y0, y1);
+        *reinterpret_cast<float2*>(eg + i0) = make_float2(__expf(y0), __expf(y1));
+        *reinterpret_cast<float2*>(egl + i0) = make_float2(__expf(yl - y0), __expf(yl - y1));
+        *reinterpret_cast<float2*>(bet + i0) = make_float2(b0, b1);
+        if (it + 1 < n_it) fetch_gates(it + 1);  // in flight during this chunk's work
+      }
+      cp_async_wait<2>();  // this chunk's K | Q (the two groups after it may be in flight)
+      bar_sync(kBarPrep, 128);
+
+      // K K^T, then M (to Mf, fp32); Q K^T, then A (to the slot's sw128 tile): this warp's 16 rows, two adjacent
+      // columns per step. Column tiles past the diagonal's are skipped (M is not read there, A is zero there). One
+      // 64 x 64 accumulator at a time: the producer runs on few registers.
+      {
+        unsigned char* As = sl + F::A_OFF;
+        float gi[2], bi[2];
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          gi[hr] = gs[16 * pw + g8 + 8 * hr];
+          bi[hr] = bet[16 * pw + g8 + 8 * hr];
+        }
+        // the exponentials e^{gam_i - gam_j} are formed twice (for M, then A) instead of held
+        auto terms = [&](auto is_a) {
+          constexpr bool IS_A = decltype(is_a)::value;
+          float x[8][4];
+          wg_fence();
+#pragma unroll
+          for (int s = 0; s < K / 16; ++s) {
+            const uint64_t dk = sw128_desc(kq + (s >> 2) * (128 * 128) + (s & 3) * 32, 16);
+            wgmma_ss<St>(x, IS_A ? dk + ((64 * 128) >> 4) : dk, dk, s > 0);
+          }
+          wg_commit();
+          wg_wait<0>();
+          wg_fence_acc(x);
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            if (nt > 2 * pw + 1) break;
+            const int j = 8 * nt + 2 * q;
+            const float2 gj = *reinterpret_cast<const float2*>(gs + j);
+            const bool diag = nt >= 2 * pw;
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+              const int i = 16 * pw + g8 + 8 * hr;
+              float E0 = __expf(gi[hr] - gj.x), E1 = __expf(gi[hr] - gj.y);
+              if constexpr (IS_A) {
+                if (diag) {
+                  E0 = i >= j ? E0 : 0.f;
+                  E1 = i > j ? E1 : 0.f;
+                }
+                uint32_t av;
+                Pack<St>::put(&av, &av, 0, x[nt][2 * hr] * E0, x[nt][2 * hr + 1] * E1);
+                *reinterpret_cast<uint32_t*>(As + sw128_off(i, j)) = av;
+              } else {
+                float m0 = bi[hr] * x[nt][2 * hr] * E0, m1 = bi[hr] * x[nt][2 * hr + 1] * E1;
+                if (diag) {
+                  m0 = i > j ? m0 : 0.f;
+                  m1 = i > j + 1 ? m1 : 0.f;
+                }
+                *reinterpret_cast<float2*>(Mf + i * LDF + j) = make_float2(m0, m1);
+              }
+            }
+          }
+        };
+        terms(std::false_type{});
+        terms(std::true_type{});
+      }
+      bar_sync(kBarPrep, 128);
+      block_inverse<true, NamedBar<kBarPrep>>(Mf, Tf, Pf, pt);
+
+      // Tm diag(beta) into the slot's sw128 tile: eight columns (one 16-byte chunk) per thread and step
+      {
+        unsigned char* Ts = sl + F::T_OFF;
+        const int r0 = pt >> 3, j = 8 * (pt & 7);
+        float bj[8];
+        ld8(bet + j, bj);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const int r = r0 + 16 * s;
+          float t[8];
+          ld8(Tf + r * LDF + j, t);
+          uint32_t y[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) Pack<St>::put(y, y, e, bj[2 * e] * t[2 * e], bj[2 * e + 1] * t[2 * e + 1]);
+          *reinterpret_cast<uint4*>(Ts + sw128_off(r, j)) = make_uint4(y[0], y[1], y[2], y[3]);
+        }
+      }
+      cp_async_wait<1>();  // this chunk's V tile
+      fence_async_smem();  // the slot's tiles are read by wgmma next
+      bar_arrive(kBarFull + (it & 1), 384);
+    }
+    return;
+  }
+
+  // ---------------- the state warpgroups ----------------
+  setmaxnreg_inc<kRegsState>();
+  const int vt = vt0 + wg, cw = wg * F::TW;
+  float S[K / 8][4];
+  if (run.zero) zero_acc(S);
+  else load_state_tile<K, K, F::TW>(p, S, false, false, u, un.n, hv, vt, vr, 0, g8, q);
+
+  // O's rows [0, len) from the staging tile Os to og (row stride HV V), 16 bytes per lane
+  auto copy_o = [&](St* og, int len) {
+    constexpr int EPV = 16 / sizeof(St), VPR = 2 * F::TW / EPV;
+    for (int idx = tid; idx < C * VPR; idx += 256) {
+      const int r = idx / VPR, cv = idx % VPR;
+      if (r < len)
+        *reinterpret_cast<int4*>(og + static_cast<int64_t>(r) * p.HV * p.V + cv * EPV) =
+            *reinterpret_cast<const int4*>(Os + r * LDT + cv * EPV);
+    }
+  };
+  St* pend_og = nullptr;  // the last chunk's output, staged in Os, copied out during the next chunk's products
+  int pend_len = 0;
+
+#pragma unroll 1
+  for (int it = 0; it < n_it; ++it) {
+    const int c = run.rb + it;
+    bar_sync(kBarFull + (it & 1), 384);
+    const St* Ks = reinterpret_cast<const St*>(kq_slot(it));
+    unsigned char* sl = slot(it);
+    const St* As = reinterpret_cast<const St*>(sl + F::A_OFF);
+    const St* Ts = reinterpret_cast<const St*>(sl + F::T_OFF);
+    const St* Us = reinterpret_cast<const St*>(sl + F::V_OFF);
+    const float* gs = reinterpret_cast<const float*>(sl + F::G_OFF);
+    const float* eg = gs + C;
+    const float* egl = gs + 2 * C;
+    const ChunkInfo ci = chunk_info(p, c, un.n);
+
+    // S^T [K | Q]^T as one 64 x 128 product (N-tiles 0..7: S^T K^T, 8..15: S^T Q^T): the state's fragments are
+    // converted once and the accumulators of the two parts are not live beside a second copy of them
+    float acc[16][4];
+    {
+      FragA<St> sa[K / 16];
+#pragma unroll
+      for (int kk = 0; kk < K / 16; ++kk) sa[kk] = frag_a_from_c<St>(S[2 * kk], S[2 * kk + 1]);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < K / 16; ++kk)
+        wgmma_rs<St, 0>(acc, sa[kk], sw128_desc(Ks + (kk >> 2) * 128 * 64 + (kk & 3) * 16, 16), kk > 0);
+      wg_commit();
+      if (pend_len > 0) copy_o(pend_og, pend_len);  // (staged before the barrier that opened this chunk)
+      pend_len = 0;
+      bar_sync(kBarState, 256);  // Os is written again below
+      wg_wait<0>();
+      wg_fence_acc(acc);
+    }
+
+    // X^T = V^T - (K S)^T diag(e^gam), then Vn^T = X^T (Tm diag(beta))^T
+    float vn[8][4];
+    {
+      FragA<St> xa[4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const FragA<St> va = lda_t<St>(Us, LDT, cw + vr * 16, 16 * kk);
+        float x[2][4];
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          const int nt = 2 * kk + t, j0 = 8 * nt + 2 * q;
+          const float e0 = eg[j0], e1 = eg[j0 + 1];
+          const float2 v0 = unpack2<St>(va.x[2 * t]), v1 = unpack2<St>(va.x[2 * t + 1]);
+          x[t][0] = v0.x - acc[nt][0] * e0;
+          x[t][1] = v0.y - acc[nt][1] * e1;
+          x[t][2] = v1.x - acc[nt][2] * e0;
+          x[t][3] = v1.y - acc[nt][3] * e1;
+        }
+        xa[kk] = frag_a_from_c<St>(x[0], x[1]);
+      }
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 0>(vn, xa[kk], sw128_desc(Ts + 16 * kk, 16), kk > 0);
+      wg_commit();
+      // the S^T Q^T part by scale e^gam while Vn's product runs
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[8 + nt][e] *= p.scale * eg[8 * nt + 2 * q + (e & 1)];
+      wg_wait<0>();
+      wg_fence_acc(vn);
+    }
+
+    // S^T <- e^{gam_L} S^T + (Vn^T diag(e^{gam_L - gam})) K, then the output's (scale Vn^T) A^T into a fresh
+    // accumulator
+    const bool out = c >= run.ob;
+    St* const og = static_cast<St*>(p.o) + (ci.bos * p.HV + hv) * p.V + vt0 * F::TW;
+    const float dl = __expf(gs[C - 1]);
+#pragma unroll
+    for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) S[nt][e] *= dl;
+    FragA<St> ka[4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const int j0 = 16 * kk + 2 * q;
+      const float fk[4] = {egl[j0], egl[j0 + 1], egl[j0 + 8], egl[j0 + 9]};
+      ka[kk] = frag_a_from_c_cols<St>(vn[2 * kk], vn[2 * kk + 1], fk);
+    }
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(S, ka[kk], sw128_desc(Ks + 16 * kk * 64, F::KQ_BYTES / 2), 1);
+    wg_commit();
+    float o2[8][4];
+    FragA<St> va[4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) va[kk] = frag_a_from_c<St>(vn[2 * kk], vn[2 * kk + 1], p.scale);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 0>(o2, va[kk], sw128_desc(As + 16 * kk, 16), kk > 0);
+    wg_commit();
+    wg_wait<0>();
+    wg_fence_acc(S);
+    wg_fence_acc(o2);
+    // every read of this chunk's slots is done (the products are complete): the producer may refill them
+    if (it + 2 < n_it) bar_arrive(kBarEmpty + (it & 1), 384);
+    if (out) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 8 * nt + 2 * q + (e & 1), vloc = vr * 16 + g8 + 8 * (e >> 1);
+          Os[i * LDT + cw + vloc] = from_f<St>(acc[8 + nt][e] + o2[nt][e]);
+        }
+      pend_og = og;
+      pend_len = ci.len;
+    }
+  }
+  if (pend_len > 0) {
+    bar_sync(kBarState, 256);
+    copy_o(pend_og, pend_len);
+  }
+  if (run.fin) store_state_tile<K, K, F::TW>(p, S, false, u, un.n, hv, vt, vr, 0, g8, q);
+}
+
+void launch_fwd_fused(const Params& p, DType dtype, void* stream) {
+  if (p.num_units == 0) return;
+  TORCH_CHECK(fwd_fused_applies(dtype, p.K, p.V, p.tile32, /*scan=*/false, p.warm != 0),
+              "gated_delta CUDA: the one-kernel forward takes 16-bit inputs with K = 128, V a multiple of 128 and "
+              "whole sequences");
+  auto go = [&](auto st) {
+    using St = decltype(st);
+    using F = FusedFwdCfg<St>;
+    auto kern = fwd_fused_kernel<St>;
+    GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
+    kern<<<dim3(p.num_units, p.V / 128, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
+    GD_CUDA_LAUNCH_CHECK();
+  };
+  if (dtype == DType::kHalf) go(__half{});
+  else go(__nv_bfloat16{});
+}
+
+}  // namespace cuda
+}  // namespace gated_delta
