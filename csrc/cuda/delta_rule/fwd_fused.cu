@@ -16,6 +16,9 @@
 //
 // Where it runs (fwd_fused_applies in params.h): 16-bit inputs, K = 128, V a multiple of 128, whole sequences (no
 // segments, no scan). Bitwise deterministic: every value is computed by one thread in a fixed order.
+// Mirrored kernel staging: the state warpgroups' per-chunk products follow state_fwd.cuh's warpgroup pass, and the
+// producer's element-wise terms prep.cu's, written out here so that this kernel's registers (setmaxnreg budgets)
+// and the order of its products are tuned on their own.
 #include <type_traits>
 
 #include "../dispatch.cuh"
