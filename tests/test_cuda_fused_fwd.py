@@ -1,9 +1,9 @@
 """GPU tests of the one-kernel forward (csrc/cuda/delta_rule/fwd_fused.cu) against the float64 token loop.
 
 With GATED_DELTA_FUSED_FWD=1 (set per test here) the forward runs as one warp-specialised kernel for 16-bit inputs
-with K = 128, V a multiple of 128 and whole sequences (the state passes' 64-column tiles, no segments, no scan): every case below has enough (sequence x value
-head x 64 columns) tiles, 256 or more, for that on an H200, and each test checks from the profiler that the kernel
-ran and the preparation kernel did not. Marked `gpu`, skipped without CUDA.
+with K = 128, V a multiple of 128 and whole sequences (the state pass in 64-column tiles, no segments, no scan):
+every case below has enough (sequence x value head x 64 columns) tiles, 256 or more, for that on an H200, and each
+test checks from the profiler that the kernel ran and the preparation kernel did not. Marked `gpu`, skipped without CUDA.
 """
 import os
 import subprocess
@@ -24,6 +24,7 @@ pytestmark = [
 @pytest.fixture(autouse=True)
 def fused_forward(monkeypatch):
     monkeypatch.setenv("GATED_DELTA_FUSED_FWD", "1")
+
 
 # B, T, H, HV, V, initial state, cu_seqlens
 CASES = {
