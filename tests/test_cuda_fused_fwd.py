@@ -3,7 +3,8 @@
 With GATED_DELTA_FUSED_FWD=1 (set per test here) the forward runs as one warp-specialised kernel for 16-bit inputs
 with K = 128, V a multiple of 128 and whole sequences (the state pass in 64-column tiles, no segments, no scan):
 every case below has enough (sequence x value head x 64 columns) tiles, 256 or more, for that on an H200, and each
-test checks from the profiler that the kernel ran and the preparation kernel did not. Marked `gpu`, skipped without CUDA.
+test checks from the profiler that the kernel ran and the preparation kernel did not. Marked `gpu`, skipped without
+CUDA.
 """
 import os
 import subprocess
