@@ -1,10 +1,9 @@
 """GPU tests of the one-kernel forward (csrc/cuda/delta_rule/fwd_fused.cu) against the float64 token loop.
 
 With GATED_DELTA_FUSED_FWD=1 (set per test here) the forward runs as one warp-specialised kernel for 16-bit inputs
-with K = 128, V a multiple of 128 and whole sequences (the state pass in 64-column tiles, no segments, no scan):
-every case below has enough (sequence x value head x 64 columns) tiles, 256 or more, for that on an H200, and each
-test checks from the profiler that the kernel ran and the preparation kernel did not. Marked `gpu`, skipped without
-CUDA.
+with K = 128, V a multiple of 128 and the state pass in 64-column tiles: every case below has enough (sequence or
+segment x value head x 64 columns) tiles for that on an H200, and each test checks from the profiler that the
+kernel ran and the preparation kernel did not. Marked `gpu`, skipped without CUDA.
 """
 import os
 import subprocess
@@ -69,6 +68,34 @@ def test_forward_against_reference(name, dtype, algorithm):
     for key, e in errs.items():
         assert torch.isfinite(ours[key]).all(), key
         assert e <= tol, f"{key}: relative error {e:.3e} > {tol:.1e} ({errs})"
+
+
+# Segments (algorithm="auto" with few sequence x value head units): B, T, H, HV, cu_seqlens, value heads without
+# decay (g = 0: no warm-up is proven there, the exact fallback runs them whole)
+SEG_CASES = {
+    "seg_T4096": (1, 4096, 4, 16, None, 0),
+    "seg_T1100_short": (1, 1100, 4, 16, None, 0),
+    "seg_fallback": (1, 4096, 4, 16, None, 3),
+    "seg_varlen_long_short": (1, 4200, 4, 16, [0, 100, 4000, 4001, 4200], 1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", list(SEG_CASES))
+def test_segments_against_reference(name, dtype):
+    B, T, H, HV, cu, flat = SEG_CASES[name]
+    inp = make_inputs(B, T, H, HV, 128, 128, dtype, cu_seqlens=cu, seed=200 + list(SEG_CASES).index(name))
+    if flat:
+        inp["g"][..., :flat] = 0.0
+    ref = reference(inp, grads=False)
+    ours, names = _kernels(lambda: run_ours(inp, algorithm="auto", grads=False))
+    assert "fwd_fused_kernel" in names and "lnorm_kernel" in names and "prep_kernel" not in names, names
+    tol = TOL[dtype][0]
+    for key in ("o", "ht"):
+        e = rel_err(ours[key], ref[key])
+        print(f"\n{name} {dtype} {key}={e:.2e}")
+        assert torch.isfinite(ours[key]).all(), key
+        assert e <= tol, f"{key}: relative error {e:.3e} > {tol:.1e}"
 
 
 def test_state_v_first():

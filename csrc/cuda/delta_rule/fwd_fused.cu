@@ -14,8 +14,11 @@
 // the slots over (FULL: the producer has filled the slot of chunk c; EMPTY: the state warpgroups are done with
 // chunk c); the producer and the state warpgroups also have a barrier each of their own.
 //
-// Where it runs (fwd_fused_applies in params.h): 16-bit inputs, K = 128, V a multiple of 128, whole sequences (no
-// segments, no scan). Bitwise deterministic: every value is computed by one thread in a fixed order.
+// Where it runs (fwd_fused_applies in params.h): 16-bit inputs, K = 128, V a multiple of 128, the state pass in
+// 64-column tiles, no scan. With segments (Params::warm) it runs as state_fwd does, after lnorm_kernel below has
+// written the bounds their warm-ups walk: once for the segments, once more for the exact fallback; the producer
+// prepares every chunk the CTA walks, warm-up chunks included. Bitwise deterministic: every value is computed by
+// one thread in a fixed order.
 // Mirrored kernel staging: the state warpgroups' per-chunk products follow state_fwd.cuh's warpgroup pass, and the
 // producer's element-wise terms prep.cu's, written out here so that this kernel's registers (setmaxnreg budgets)
 // and the order of its products are tuned on their own.
@@ -52,10 +55,10 @@ constexpr int kBarEmpty = 3;  // + slot: the state warpgroups are done with it
 constexpr int kBarState = 5;  // the two state warpgroups
 constexpr int kBarPrep = 6;   // the producer warpgroup
 // Registers per thread, moved between the warpgroups with setmaxnreg within what the CTA holds at launch (168 per
-// thread for 384 threads: 2 x 128 x 200 + 128 x 104 = 64512; asking for more than that would wait forever). The
+// thread for 384 threads: 2 x 128 x 192 + 128 x 120 = 64512; asking for more than that would wait forever). The
 // state warpgroups hold the state (64), the products' accumulators and operands; the producer's largest part is
 // one 64 x 64 accumulator.
-constexpr int kRegsState = 200, kRegsProducer = 104;
+constexpr int kRegsState = 192, kRegsProducer = 120;
 static_assert(2 * 128 * kRegsState + 128 * kRegsProducer <= 168 * 384, "more registers than the CTA holds");
 
 template <class St>
@@ -87,19 +90,30 @@ __global__ void __launch_bounds__(384, 1) fwd_fused_kernel(const Params p) {
     // ---------------- producer ----------------
     setmaxnreg_dec<kRegsProducer>();
     const int pt = tid - 256, pw = warp - 8;
+    // (the per-row tests of the copies only in a sequence's last, partial chunk)
     auto load_kq = [&](int it) {
       const ChunkInfo ci = chunk_info(p, run.rb + it, un.n);
       unsigned char* s = kq_slot(it);
-      load_tile_sw128<St, C, K, 128, 128>(s, 0, static_cast<const St*>(p.k) + ci.bos * HK + h * K, HK, ci.len, pt);
-      load_tile_sw128<St, C, K, 128, 128>(s, 64, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, pt);
+      const St* kg = static_cast<const St*>(p.k) + ci.bos * HK + h * K;
+      const St* qg = static_cast<const St*>(p.q) + ci.bos * HK + h * K;
+      if (ci.len == C) {
+        load_tile_sw128<St, C, K, 128, 128, false>(s, 0, kg, HK, C, pt);
+        load_tile_sw128<St, C, K, 128, 128, false>(s, 64, qg, HK, C, pt);
+      } else {
+        load_tile_sw128<St, C, K, 128, 128>(s, 0, kg, HK, ci.len, pt);
+        load_tile_sw128<St, C, K, 128, 128>(s, 64, qg, HK, ci.len, pt);
+      }
     };
     auto load_v = [&](int it) {
       const ChunkInfo ci = chunk_info(p, run.rb + it, un.n);
-      load_tile<St, C, 2 * F::TW, 128>(reinterpret_cast<St*>(slot(it) + F::V_OFF), LDT,
-                                       static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V + vt0 * F::TW,
-                                       static_cast<int64_t>(p.HV) * p.V, ci.len, pt);
+      St* vs = reinterpret_cast<St*>(slot(it) + F::V_OFF);
+      const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V + vt0 * F::TW;
+      const int64_t vstride = static_cast<int64_t>(p.HV) * p.V;
+      if (ci.len == C) load_tile<St, C, 2 * F::TW, 128, false>(vs, LDT, vg, vstride, C, pt);
+      else load_tile<St, C, 2 * F::TW, 128>(vs, LDT, vg, vstride, ci.len, pt);
     };
-    // warp 0 holds the gates and betas of rows 2 lane, 2 lane + 1 of the next chunk
+    // every warp holds the gates and betas of rows 2 lane, 2 lane + 1 of the next chunk, and forms the cumulative
+    // gate itself (the same values in the same order in each warp): no warp waits for another's
     const int i0 = 2 * lane, i1 = i0 + 1;
     float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
     auto fetch_gates = [&](int it) {
@@ -112,7 +126,7 @@ __global__ void __launch_bounds__(384, 1) fwd_fused_kernel(const Params p) {
     if (n_it > 0) {
       load_kq(0);
       cp_async_commit();
-      if (pw == 0) fetch_gates(0);
+      fetch_gates(0);
     }
     // A's tiles above the diagonal blocks and Tm's blocks above its diagonal blocks are never written below:
     // zero once
@@ -135,55 +149,74 @@ __global__ void __launch_bounds__(384, 1) fwd_fused_kernel(const Params p) {
       float* gs = reinterpret_cast<float*>(sl + F::G_OFF);
       float* eg = gs + C;
       float* egl = gs + 2 * C;
-      if (pw == 0) {
-        const float incl = warp_incl_scan(a0 + a1);
-        float excl = __shfl_up_sync(0xffffffffu, incl, 1);
-        if (lane == 0) excl = 0.f;
-        const float y0 = excl + a0, y1 = y0 + a1;
+      const float incl = warp_incl_scan(a0 + a1);
+      float excl = __shfl_up_sync(0xffffffffu, incl, 1);
+      if (lane == 0) excl = 0.f;
+      const float y0 = excl + a0, y1 = y0 + a1, c0 = b0, c1 = b1;  // rows i0, i1 of this chunk
+      if (pw == 0) {  // the state warpgroups' gates, and beta for the Tm diag(beta) store below
         const float yl = __shfl_sync(0xffffffffu, y1, 31);
         *reinterpret_cast<float2*>(gs + i0) = make_float2(y0, y1);
         *reinterpret_cast<float2*>(eg + i0) = make_float2(__expf(y0), __expf(y1));
         *reinterpret_cast<float2*>(egl + i0) = make_float2(__expf(yl - y0), __expf(yl - y1));
-        *reinterpret_cast<float2*>(bet + i0) = make_float2(b0, b1);
-        if (it + 1 < n_it) fetch_gates(it + 1);  // in flight during this chunk's work
+        *reinterpret_cast<float2*>(bet + i0) = make_float2(c0, c1);
       }
+      if (it + 1 < n_it) fetch_gates(it + 1);  // in flight during this chunk's work
       cp_async_wait<2>();  // this chunk's K | Q (the two groups after it may be in flight)
       bar_sync(kBarPrep, 128);
 
       // K K^T, then M (to Mf, fp32); Q K^T, then A (to the slot's sw128 tile): this warp's 16 rows, two adjacent
       // columns per step. Column tiles past the diagonal's are skipped (M is not read there, A is zero there). One
-      // 64 x 64 accumulator at a time: the producer runs on few registers.
+      // 64 x 64 accumulator at a time: the producer runs on few registers. The gates and betas of rows and
+      // columns come from the lanes that hold them.
       {
         unsigned char* As = sl + F::A_OFF;
         float gi[2], bi[2];
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-          gi[hr] = gs[16 * pw + g8 + 8 * hr];
-          bi[hr] = bet[16 * pw + g8 + 8 * hr];
+          const int src = 8 * pw + (g8 >> 1) + 4 * hr;  // lane of row 16 pw + g8 + 8 hr
+          const float ya = __shfl_sync(0xffffffffu, y0, src), yb = __shfl_sync(0xffffffffu, y1, src);
+          const float ca = __shfl_sync(0xffffffffu, c0, src), cb = __shfl_sync(0xffffffffu, c1, src);
+          gi[hr] = (g8 & 1) ? yb : ya;
+          bi[hr] = (g8 & 1) ? cb : ca;
         }
-        // the exponentials e^{gam_i - gam_j} are formed twice (for M, then A) instead of held
-        auto terms = [&](auto is_a) {
-          constexpr bool IS_A = decltype(is_a)::value;
-          float x[8][4];
+        auto issue = [&](float (&x)[8][4], bool qk) {
           wg_fence();
 #pragma unroll
           for (int s = 0; s < K / 16; ++s) {
             const uint64_t dk = sw128_desc(kq + (s >> 2) * (128 * 128) + (s & 3) * 32, 16);
-            wgmma_ss<St>(x, IS_A ? dk + ((64 * 128) >> 4) : dk, dk, s > 0);
+            wgmma_ss<St>(x, qk ? dk + ((64 * 128) >> 4) : dk, dk, s > 0);
           }
           wg_commit();
-          wg_wait<0>();
-          wg_fence_acc(x);
+        };
+        // the exponentials e^{gam_i - gam_j} are formed twice (for M, then A) instead of held
+        auto terms = [&](const float (&x)[8][4], auto is_a) {
+          constexpr bool IS_A = decltype(is_a)::value;
 #pragma unroll
           for (int nt = 0; nt < 8; ++nt) {
-            if (nt > 2 * pw + 1) break;
             const int j = 8 * nt + 2 * q;
-            const float2 gj = *reinterpret_cast<const float2*>(gs + j);
+            const float gjx = __shfl_sync(0xffffffffu, y0, 4 * nt + q), gjy = __shfl_sync(0xffffffffu, y1, 4 * nt + q);
+            if constexpr (!IS_A) {
+              // M's blocks (2, 0), (3, 0) and (3, 1) from the transposed blocks of K K^T (symmetric) that warps 0
+              // and 1 hold: 6, 6, 4, 4 column tiles per warp instead of 2, 4, 6, 8
+              const float bjx = __shfl_sync(0xffffffffu, c0, 4 * nt + q), bjy = __shfl_sync(0xffffffffu, c1, 4 * nt + q);
+              if ((pw == 0 && nt >= 4) || (pw == 1 && nt >= 6)) {
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                  const int r = 16 * pw + g8 + 8 * hr;  // M[j][r] and M[j + 1][r], j > r
+                  Mf[j * LDF + r] = bjx * x[nt][2 * hr] * __expf(gjx - gi[hr]);
+                  Mf[(j + 1) * LDF + r] = bjy * x[nt][2 * hr + 1] * __expf(gjy - gi[hr]);
+                }
+                continue;
+              }
+              if (nt > 2 * pw + 1 || (pw >= 2 && nt < 2 * (pw - 1))) continue;  // (those blocks: warps 0 and 1)
+            } else {
+              if (nt > 2 * pw + 1) continue;
+            }
             const bool diag = nt >= 2 * pw;
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr) {
               const int i = 16 * pw + g8 + 8 * hr;
-              float E0 = __expf(gi[hr] - gj.x), E1 = __expf(gi[hr] - gj.y);
+              float E0 = __expf(gi[hr] - gjx), E1 = __expf(gi[hr] - gjy);
               if constexpr (IS_A) {
                 if (diag) {
                   E0 = i >= j ? E0 : 0.f;
@@ -203,11 +236,24 @@ __global__ void __launch_bounds__(384, 1) fwd_fused_kernel(const Params p) {
             }
           }
         };
-        terms(std::false_type{});
-        terms(std::true_type{});
+        {
+          float x[8][4];
+          issue(x, false);
+          wg_wait<0>();
+          wg_fence_acc(x);
+          terms(x, std::false_type{});
+        }
+        // Q K^T runs while warps 0 and 1 form the inverse's diagonal blocks, then A
+        float x[8][4];
+        issue(x, true);
+        bar_sync(kBarPrep, 128);  // M is complete
+        inverse_diag_blocks(Mf, Tf, pt);
+        wg_wait<0>();
+        wg_fence_acc(x);
+        terms(x, std::true_type{});
       }
-      bar_sync(kBarPrep, 128);
-      block_inverse<true, NamedBar<kBarPrep>>(Mf, Tf, Pf, pt);
+      bar_sync(kBarPrep, 128);  // the diagonal blocks are complete
+      block_inverse_tf32<NamedBar<kBarPrep>, /*DIAG=*/false>(Mf, Tf, Pf, pt);
 
       // Tm diag(beta) into the slot's sw128 tile: eight columns (one 16-byte chunk) per thread and step
       {
@@ -371,11 +417,59 @@ __global__ void __launch_bounds__(384, 1) fwd_fused_kernel(const Params p) {
   if (run.fin) store_state_tile<K, K, F::TW>(p, S, false, u, un.n, hv, vt, vr, 0, g8, q);
 }
 
+// The bound of each (chunk, value head) transition's norm that the segments' warm-up walks (warmup.cuh), as the
+// preparation writes it where it runs: lnorm = sum_t (g_t + log max(1, |1 - m_t| + 2^-15 |m_t|)), m_t = beta_t |k_t|^2
+// in fp32. One warp per (chunk, q/k head), lane l on rows 2l and 2l + 1; |k_t|^2 once for the group's value heads.
+template <class St>
+__global__ void __launch_bounds__(128) lnorm_kernel(const Params p) {
+  constexpr int K = 128, E = 16 / sizeof(St);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * 4 + warp;
+  if (w >= static_cast<int64_t>(p.NC) * p.H) return;
+  const int c = static_cast<int>(w / p.H), h = static_cast<int>(w % p.H);
+  const ChunkInfo ci = chunk_info(p, c);
+  float kn[2] = {0.f, 0.f};
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const int row = 2 * lane + t;
+    if (row >= ci.len) continue;
+    const uint4* kr = reinterpret_cast<const uint4*>(static_cast<const St*>(p.k) + ((ci.bos + row) * p.H + h) * K);
+#pragma unroll 4
+    for (int v = 0; v < K / E; ++v) {
+      const uint4 x = kr[v];
+#pragma unroll
+      for (int e = 0; e < E / 2; ++e) {
+        const float2 f = unpack2<St>((&x.x)[e]);
+        kn[t] = fmaf(f.x, f.x, kn[t]);
+        kn[t] = fmaf(f.y, f.y, kn[t]);
+      }
+    }
+  }
+  for (int gi = 0; gi < p.G; ++gi) {
+    const int hv = h * p.G + gi;
+    float s = 0.f;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int row = 2 * lane + t;
+      if (row >= ci.len) continue;
+      const int64_t i = (ci.bos + row) * p.HV + hv;
+      const float m = load_as_float(p.beta, p.beta_dtype, i) * kn[t];
+      const float nb = fabsf(1.f - m) + fabsf(m) * 0x1p-15f;
+      s += p.g[i];
+      if (nb > 1.f) s += logf(nb);
+    }
+    s = warp_sum(s);
+    if (lane == 0) p.lnorm[static_cast<int64_t>(c) * p.HV + hv] = s;
+  }
+}
+
 void launch_fwd_fused(const Params& p, DType dtype, void* stream) {
   if (p.num_units == 0) return;
-  TORCH_CHECK(fwd_fused_applies(dtype, p.K, p.V, p.tile32, /*scan=*/false, p.warm != 0),
+  TORCH_CHECK(fwd_fused_applies(dtype, p.K, p.V, p.tile32, /*scan=*/false),
               "gated_delta CUDA: the one-kernel forward takes 16-bit inputs with K = 128, V a multiple of 128 and "
-              "whole sequences");
+              "the state pass in 64-column tiles");
+  TORCH_CHECK(p.warm == 0 || (p.lnorm != nullptr && p.seg_ok != nullptr),
+              "gated_delta CUDA: the one-kernel forward's segments need lnorm and seg_ok");
   auto go = [&](auto st) {
     using St = decltype(st);
     using F = FusedFwdCfg<St>;
@@ -386,6 +480,16 @@ void launch_fwd_fused(const Params& p, DType dtype, void* stream) {
   };
   if (dtype == DType::kHalf) go(__half{});
   else go(__nv_bfloat16{});
+}
+
+void launch_lnorm(const Params& p, DType dtype, void* stream) {
+  if (p.NC == 0) return;
+  TORCH_CHECK(dtype != DType::kFloat && p.K == 128, "gated_delta CUDA: lnorm_kernel takes 16-bit inputs with K = 128");
+  const int64_t warps = static_cast<int64_t>(p.NC) * p.H;
+  const dim3 grid(static_cast<unsigned>((warps + 3) / 4));
+  if (dtype == DType::kHalf) lnorm_kernel<__half><<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  else lnorm_kernel<__nv_bfloat16><<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  GD_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace cuda

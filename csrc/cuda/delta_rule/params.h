@@ -121,17 +121,20 @@ inline int wg_tiles_per_sm(DType dtype, int K, int V, bool backward) {
   return (!backward || (V / 64) % 2 == 0) ? 2 : 1;
 }
 
-// Whether the forward runs as one warp-specialised kernel (fwd_fused.cu) instead of prep + state_fwd: 16-bit inputs,
-// K = 128, V a multiple of 128 (two 64-column state tiles per CTA), the forward's pass in 64-column tiles and whole
-// sequences (no scan, no segments).
-inline bool fwd_fused_applies(DType dtype, int K, int V, int tile32, bool scan, bool warm) {
-  return dtype != DType::kFloat && K == 128 && V % 128 == 0 && V > 0 && !tile32 && !scan && !warm;
+// Whether the forward can run as one warp-specialised kernel (fwd_fused.cu) instead of prep + state_fwd: 16-bit
+// inputs, K = 128, V a multiple of 128 (two 64-column state tiles per CTA), the forward's pass in 64-column tiles,
+// no scan (whole sequences or segments).
+inline bool fwd_fused_applies(DType dtype, int K, int V, int tile32, bool scan) {
+  return dtype != DType::kFloat && K == 128 && V % 128 == 0 && V > 0 && !tile32 && !scan;
 }
 
 // Launchers (one per kernel family), defined in the .cu files; the storage type St is selected by dtype.
 void launch_prep(const Params& p, DType dtype, void* stream);
-// the one-kernel forward (fwd_fused_applies): reads q, k, v, g, beta, init; writes o and fin
+// the one-kernel forward (fwd_fused_applies): reads q, k, v, g, beta, init (and with warm, lnorm); writes o, fin
+// (and with warm = 1, seg_ok)
 void launch_fwd_fused(const Params& p, DType dtype, void* stream);
+// lnorm for the one-kernel forward's segments (the preparation writes it on the two-kernel path)
+void launch_lnorm(const Params& p, DType dtype, void* stream);
 // mode: 0 forward with output, 1 forward storing hT / VnT, 2 segment maps
 void launch_state_fwd(const Params& p, DType dtype, int mode, void* stream);
 // mode: 0 reverse storing dhT / dVnT, 1 segment maps

@@ -68,7 +68,8 @@ __device__ __forceinline__ void inverse_diag_blocks(const float* Mf, float* Tf, 
 // are directly the B fragments of B^-1 P (mma.cuh). Only the 32 -> 64 level passes blocks between warps: P[0][nh]
 // from warp (0, nh) to warp (1, nh) through Pf (32 bytes per lane). Blocks of A^-1 and B^-1 above the diagonal
 // (zero) are skipped.
-template <class Bar = CtaBar>
+// DIAG = false: the caller has formed the diagonal blocks (inverse_diag_blocks) and passed a barrier since.
+template <class Bar = CtaBar, bool DIAG = true>
 __device__ __forceinline__ void block_inverse_tf32(const float* Mf, float* Tf, float* Pf, int tid) {
   const Bar sync_threads;
   constexpr int LD = kLdF;
@@ -82,8 +83,10 @@ __device__ __forceinline__ void block_inverse_tf32(const float* Mf, float* Tf, f
         *reinterpret_cast<float2*>(Tf + (r + g8 + 8 * hr) * LD + c + 8 * nt + 2 * q) =
             make_float2(-x[nt][2 * hr], -x[nt][2 * hr + 1]);
   };
-  inverse_diag_blocks(Mf, Tf, tid);
-  sync_threads();
+  if constexpr (DIAG) {
+    inverse_diag_blocks(Mf, Tf, tid);
+    sync_threads();
+  }
   if (warp < 2) {  // 16 -> 32: rows r1 = r0 + 16 against columns r0 of the diagonal 32-block r0
     const int r0 = 32 * warp, r1 = r0 + 16;
     uint32_t pb[2][2][2];  // P = M[r1][r0] A^-1 as a B operand, from P^T
