@@ -68,6 +68,20 @@ __device__ __forceinline__ float load_as_float(const void* p, DType dtype, int64
   }
 }
 
+// The same element's bits, unconverted (a 16-bit value in the low half): a load whose value is converted later
+// (bits_as_float), so that no branch on the dtype waits for it.
+__device__ __forceinline__ uint32_t load_bits(const void* p, DType dtype, int64_t i) {
+  if (dtype == DType::kFloat) return static_cast<const uint32_t*>(p)[i];
+  return static_cast<const uint16_t*>(p)[i];
+}
+__device__ __forceinline__ float bits_as_float(uint32_t b, DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16: return __uint_as_float(b << 16);
+    case DType::kHalf: return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+    default: return __uint_as_float(b);
+  }
+}
+
 // Stores x as element i of a tensor whose dtype is only known at run time (rounded to nearest).
 __device__ __forceinline__ void store_as(void* p, DType dtype, int64_t i, float x) {
   switch (dtype) {

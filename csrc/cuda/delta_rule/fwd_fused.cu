@@ -28,6 +28,7 @@
 #include "chunks.cuh"
 #include "mma.cuh"
 #include "tile_load.cuh"
+#include "tma.cuh"
 #include "tri_inverse.cuh"
 #include "warmup.cuh"
 #include "wgmma.cuh"
@@ -38,14 +39,16 @@ namespace cuda {
 template <class St>
 struct FusedFwdCfg {
   static constexpr int K = 128, TW = 64, NT = 384;
-  static constexpr int LDT = 2 * TW + PadOf<St>::value;  // V tile and output staging: the CTA's 128 columns
+  static constexpr int LDT = 2 * TW + PadOf<St>::value;  // the output's staging tile: the CTA's 128 columns
   static constexpr size_t KQ_BYTES = 2 * 128 * 128;       // two 64-column blocks of 128 rows (K: 0..63, Q: 64..127)
-  static constexpr size_t A_OFF = 0, T_OFF = 8192, V_OFF = 16384;
-  static constexpr size_t G_OFF = V_OFF + sizeof(St) * C * LDT;  // gam, e^gam, e^{gam_L - gam}: 64 floats each
+  // A, Tm diag(beta) and V (the CTA's 128 columns: two 64-column blocks of 64 rows), all sw128
+  static constexpr size_t A_OFF = 0, T_OFF = 8192, V_OFF = 16384, V_BYTES = 2 * 64 * 128;
+  static constexpr size_t G_OFF = V_OFF + V_BYTES;  // gam, e^gam, e^{gam_L - gam}: 64 floats each
   static constexpr size_t SLOT_BYTES = (G_OFF + 3 * 256 + 1023) / 1024 * 1024;
   static constexpr size_t OS_BYTES = sizeof(St) * C * LDT;
   static constexpr size_t PREP_BYTES = sizeof(float) * (2 * C * kLdF + kInvScratch + 2 * C);  // Mf, Tf, Pf, beta x 2
-  static constexpr size_t bytes = 3 * KQ_BYTES + 2 * SLOT_BYTES + OS_BYTES + PREP_BYTES + 1024;
+  static constexpr size_t BAR_BYTES = 64;  // the mbarriers of the copies: 3 K | Q slots, 2 V slots
+  static constexpr size_t bytes = 3 * KQ_BYTES + 2 * SLOT_BYTES + OS_BYTES + PREP_BYTES + BAR_BYTES + 1024;
   static_assert(bytes <= 227 * 1024, "shared memory of one CTA");
 };
 
@@ -62,7 +65,9 @@ constexpr int kRegsState = 192, kRegsProducer = 120;
 static_assert(2 * 128 * kRegsState + 128 * kRegsProducer <= 168 * 384, "more registers than the CTA holds");
 
 template <class St>
-__global__ void __launch_bounds__(384, 1) fwd_fused_kernel(const Params p) {
+__global__ void __launch_bounds__(384, 1)
+    fwd_fused_kernel(const Params p, const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_q,
+                     const __grid_constant__ CUtensorMap tm_v) {
   using F = FusedFwdCfg<St>;
   constexpr int K = F::K, LDT = F::LDT, LDF = kLdF;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -73,7 +78,9 @@ __global__ void __launch_bounds__(384, 1) fwd_fused_kernel(const Params p) {
   float* Mf = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(Os) + F::OS_BYTES);
   float* Tf = Mf + C * LDF;
   float* Pf = Tf + C * LDF;
-  float* bet2 = Pf + kInvScratch;  // beta of chunks with even / odd index (warp 0 writes the next one's early)
+  float* bet2 = Pf + kInvScratch;  // beta of chunks with even / odd index
+  uint64_t* kq_bar = reinterpret_cast<uint64_t*>(bet2 + 2 * C);  // completion of the copies into each K | Q slot
+  uint64_t* v_bar = kq_bar + 3;                                   // ... and each slot's V tile
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
   const int wg = warp >> 2, vr = warp & 3;
@@ -81,6 +88,12 @@ __global__ void __launch_bounds__(384, 1) fwd_fused_kernel(const Params p) {
   const Unit un = get_unit(p, u);
   Run run;
   if (!plan_run<false>(p, u, un, hv, vt0, run)) return;
+  if (tid == 0) {
+#pragma unroll
+    for (int b = 0; b < 5; ++b) mbar_init(kq_bar + b, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
   const int n_it = run.re - run.rb;
   const int64_t HK = static_cast<int64_t>(p.H) * K;
   auto kq_slot = [&](int it) { return kq0 + (it % 3) * F::KQ_BYTES; };
@@ -90,38 +103,75 @@ __global__ void __launch_bounds__(384, 1) fwd_fused_kernel(const Params p) {
     // ---------------- producer ----------------
     setmaxnreg_dec<kRegsProducer>();
     const int pt = tid - 256, pw = warp - 8;
-    // (the per-row tests of the copies only in a sequence's last, partial chunk)
+    // Full chunks arrive by TMA (one thread issues the boxes, the slot's mbarrier counts their bytes); a sequence's
+    // last, partial chunk by cp.async with its rows past the end zero-filled (a box would read the next
+    // sequence's). Bit s of kq_tma / v_tma: slot s is being filled by TMA; of kq_ph / v_ph: the parity of the
+    // slot's next phase.
+    uint32_t kq_tma = 0, v_tma = 0, kq_ph = 0, v_ph = 0;
     auto load_kq = [&](int it) {
       const ChunkInfo ci = chunk_info(p, run.rb + it, un.n);
       unsigned char* s = kq_slot(it);
-      const St* kg = static_cast<const St*>(p.k) + ci.bos * HK + h * K;
-      const St* qg = static_cast<const St*>(p.q) + ci.bos * HK + h * K;
+      const int sb = it % 3;
       if (ci.len == C) {
-        load_tile_sw128<St, C, K, 128, 128, false>(s, 0, kg, HK, C, pt);
-        load_tile_sw128<St, C, K, 128, 128, false>(s, 64, qg, HK, C, pt);
+        kq_tma |= 1u << sb;
+        if (pt == 0) {
+          fence_async_smem();  // the slot's earlier reads and writes before the copy engine's writes
+          mbar_expect_tx(kq_bar + sb, F::KQ_BYTES);
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            tma_load_2d(s + b * (128 * 128), &tm_k, kq_bar + sb, h * K + 64 * b, static_cast<int>(ci.bos));
+            tma_load_2d(s + b * (128 * 128) + 64 * 128, &tm_q, kq_bar + sb, h * K + 64 * b,
+                        static_cast<int>(ci.bos));
+          }
+        }
       } else {
+        kq_tma &= ~(1u << sb);
+        const St* kg = static_cast<const St*>(p.k) + ci.bos * HK + h * K;
+        const St* qg = static_cast<const St*>(p.q) + ci.bos * HK + h * K;
         load_tile_sw128<St, C, K, 128, 128>(s, 0, kg, HK, ci.len, pt);
         load_tile_sw128<St, C, K, 128, 128>(s, 64, qg, HK, ci.len, pt);
       }
     };
     auto load_v = [&](int it) {
       const ChunkInfo ci = chunk_info(p, run.rb + it, un.n);
-      St* vs = reinterpret_cast<St*>(slot(it) + F::V_OFF);
-      const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V + vt0 * F::TW;
-      const int64_t vstride = static_cast<int64_t>(p.HV) * p.V;
-      if (ci.len == C) load_tile<St, C, 2 * F::TW, 128, false>(vs, LDT, vg, vstride, C, pt);
-      else load_tile<St, C, 2 * F::TW, 128>(vs, LDT, vg, vstride, ci.len, pt);
+      unsigned char* vs = slot(it) + F::V_OFF;
+      const int sb = it & 1;
+      if (ci.len == C) {
+        v_tma |= 1u << sb;
+        if (pt == 0) {
+          fence_async_smem();
+          mbar_expect_tx(v_bar + sb, F::V_BYTES);
+#pragma unroll
+          for (int b = 0; b < 2; ++b)
+            tma_load_2d(vs + b * (64 * 128), &tm_v, v_bar + sb, hv * p.V + vt0 * F::TW + 64 * b,
+                        static_cast<int>(ci.bos));
+        }
+      } else {
+        v_tma &= ~(1u << sb);
+        const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V + vt0 * F::TW;
+        load_tile_sw128<St, C, 2 * F::TW, 64, 128>(vs, 0, vg, static_cast<int64_t>(p.HV) * p.V, ci.len, pt);
+      }
+    };
+    // waits for a slot's copies when they are TMA's (cp.async's: cp_async_wait, as the caller counts its groups)
+    auto wait_tma = [&](uint64_t* bars, uint32_t tma, uint32_t& ph, int sb) {
+      if (tma >> sb & 1u) {
+        mbar_wait(bars + sb, ph >> sb & 1u);
+        ph ^= 1u << sb;
+      }
     };
     // every warp holds the gates and betas of rows 2 lane, 2 lane + 1 of the next chunk, and forms the cumulative
-    // gate itself (the same values in the same order in each warp): no warp waits for another's
+    // gate itself (the same values in the same order in each warp): no warp waits for another's. beta's bits are
+    // loaded now and converted when the chunk's work starts, so that no branch on its dtype waits for the load.
     const int i0 = 2 * lane, i1 = i0 + 1;
-    float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
+    float a0 = 0.f, a1 = 0.f;
+    uint32_t rb0 = 0u, rb1 = 0u;
     auto fetch_gates = [&](int it) {
-      a0 = a1 = b0 = b1 = 0.f;
+      a0 = a1 = 0.f;
+      rb0 = rb1 = 0u;
       const ChunkInfo ci = chunk_info(p, run.rb + it, un.n);
       const int64_t t0 = (ci.bos + i0) * p.HV + hv, t1 = t0 + p.HV;
-      if (i0 < ci.len) { a0 = p.g[t0]; b0 = load_as_float(p.beta, p.beta_dtype, t0); }
-      if (i1 < ci.len) { a1 = p.g[t1]; b1 = load_as_float(p.beta, p.beta_dtype, t1); }
+      if (i0 < ci.len) { a0 = p.g[t0]; rb0 = load_bits(p.beta, p.beta_dtype, t0); }
+      if (i1 < ci.len) { a1 = p.g[t1]; rb1 = load_bits(p.beta, p.beta_dtype, t1); }
     };
     if (n_it > 0) {
       load_kq(0);
@@ -152,7 +202,8 @@ __global__ void __launch_bounds__(384, 1) fwd_fused_kernel(const Params p) {
       const float incl = warp_incl_scan(a0 + a1);
       float excl = __shfl_up_sync(0xffffffffu, incl, 1);
       if (lane == 0) excl = 0.f;
-      const float y0 = excl + a0, y1 = y0 + a1, c0 = b0, c1 = b1;  // rows i0, i1 of this chunk
+      const float y0 = excl + a0, y1 = y0 + a1;  // rows i0, i1 of this chunk
+      const float c0 = bits_as_float(rb0, p.beta_dtype), c1 = bits_as_float(rb1, p.beta_dtype);
       if (pw == 0) {  // the state warpgroups' gates, and beta for the Tm diag(beta) store below
         const float yl = __shfl_sync(0xffffffffu, y1, 31);
         *reinterpret_cast<float2*>(gs + i0) = make_float2(y0, y1);
@@ -162,6 +213,7 @@ __global__ void __launch_bounds__(384, 1) fwd_fused_kernel(const Params p) {
       }
       if (it + 1 < n_it) fetch_gates(it + 1);  // in flight during this chunk's work
       cp_async_wait<2>();  // this chunk's K | Q (the two groups after it may be in flight)
+      wait_tma(kq_bar, kq_tma, kq_ph, it % 3);
       bar_sync(kBarPrep, 128);
 
       // K K^T, then M (to Mf, fp32); Q K^T, then A (to the slot's sw128 tile): this warp's 16 rows, two adjacent
@@ -273,6 +325,7 @@ __global__ void __launch_bounds__(384, 1) fwd_fused_kernel(const Params p) {
         }
       }
       cp_async_wait<1>();  // this chunk's V tile
+      wait_tma(v_bar, v_tma, v_ph, it & 1);
       fence_async_smem();  // the slot's tiles are read by wgmma next
       bar_arrive(kBarFull + (it & 1), 384);
     }
@@ -307,7 +360,7 @@ __global__ void __launch_bounds__(384, 1) fwd_fused_kernel(const Params p) {
     unsigned char* sl = slot(it);
     const St* As = reinterpret_cast<const St*>(sl + F::A_OFF);
     const St* Ts = reinterpret_cast<const St*>(sl + F::T_OFF);
-    const St* Us = reinterpret_cast<const St*>(sl + F::V_OFF);
+    const unsigned char* Us = sl + F::V_OFF;
     const float* gs = reinterpret_cast<const float*>(sl + F::G_OFF);
     const float* eg = gs + C;
     const float* egl = gs + 2 * C;
@@ -338,7 +391,7 @@ __global__ void __launch_bounds__(384, 1) fwd_fused_kernel(const Params p) {
       FragA<St> xa[4];
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        const FragA<St> va = lda_t<St>(Us, LDT, cw + vr * 16, 16 * kk);
+        const FragA<St> va = lda_t_sw128<St, 64>(Us, cw + vr * 16, 16 * kk);
         float x[2][4];
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
@@ -475,7 +528,12 @@ void launch_fwd_fused(const Params& p, DType dtype, void* stream) {
     using F = FusedFwdCfg<St>;
     auto kern = fwd_fused_kernel<St>;
     GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
-    kern<<<dim3(p.num_units, p.V / 128, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
+    constexpr bool half = std::is_same_v<St, __half>;
+    const int64_t HK = static_cast<int64_t>(p.H) * p.K, HVV = static_cast<int64_t>(p.HV) * p.V;
+    const CUtensorMap tk = tma_map_16bit(p.k, half, p.BT, HK, HK, C);
+    const CUtensorMap tq = tma_map_16bit(p.q, half, p.BT, HK, HK, C);
+    const CUtensorMap tv = tma_map_16bit(p.v, half, p.BT, HVV, HVV, C);
+    kern<<<dim3(p.num_units, p.V / 128, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p, tk, tq, tv);
     GD_CUDA_LAUNCH_CHECK();
   };
   if (dtype == DType::kHalf) go(__half{});
