@@ -43,12 +43,14 @@ struct FusedFwdCfg {
   static constexpr size_t KQ_BYTES = 2 * 128 * 128;       // two 64-column blocks of 128 rows (K: 0..63, Q: 64..127)
   // A, Tm diag(beta) and V (the CTA's 128 columns: two 64-column blocks of 64 rows), all sw128
   static constexpr size_t A_OFF = 0, T_OFF = 8192, V_OFF = 16384, V_BYTES = 2 * 64 * 128;
-  static constexpr size_t G_OFF = V_OFF + V_BYTES;  // gam, e^gam, e^{gam_L - gam}: 64 floats each
-  static constexpr size_t SLOT_BYTES = (G_OFF + 3 * 256 + 1023) / 1024 * 1024;
+  static constexpr size_t SLOT_BYTES = V_OFF + V_BYTES;
+  // per K | Q slot, the chunk's gates: gam, e^gam, e^{gam_L - gam} and beta, 64 floats each
+  static constexpr size_t GATE_BYTES = 4 * C * sizeof(float);
   static constexpr size_t OS_BYTES = sizeof(St) * C * LDT;
-  static constexpr size_t PREP_BYTES = sizeof(float) * (2 * C * kLdF + kInvScratch + 2 * C);  // Mf, Tf, Pf, beta x 2
+  static constexpr size_t PREP_BYTES = sizeof(float) * (2 * C * kLdF + kInvScratch);  // Mf, Tf, Pf
   static constexpr size_t BAR_BYTES = 64;  // the mbarriers of the copies: 3 K | Q slots, 2 V slots
-  static constexpr size_t bytes = 3 * KQ_BYTES + 2 * SLOT_BYTES + OS_BYTES + PREP_BYTES + BAR_BYTES + 1024;
+  static constexpr size_t bytes =
+      3 * KQ_BYTES + 2 * SLOT_BYTES + 3 * GATE_BYTES + OS_BYTES + PREP_BYTES + BAR_BYTES + 1024;
   static_assert(bytes <= 227 * 1024, "shared memory of one CTA");
 };
 
@@ -78,9 +80,9 @@ __global__ void __launch_bounds__(384, 1)
   float* Mf = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(Os) + F::OS_BYTES);
   float* Tf = Mf + C * LDF;
   float* Pf = Tf + C * LDF;
-  float* bet2 = Pf + kInvScratch;  // beta of chunks with even / odd index
-  uint64_t* kq_bar = reinterpret_cast<uint64_t*>(bet2 + 2 * C);  // completion of the copies into each K | Q slot
-  uint64_t* v_bar = kq_bar + 3;                                   // ... and each slot's V tile
+  float* gate0 = Pf + kInvScratch;
+  uint64_t* kq_bar = reinterpret_cast<uint64_t*>(gate0 + 3 * 4 * C);  // completion of the copies into a K | Q slot
+  uint64_t* v_bar = kq_bar + 3;                                        // ... and into a slot's V tile
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
   const int wg = warp >> 2, vr = warp & 3;
@@ -98,6 +100,7 @@ __global__ void __launch_bounds__(384, 1)
   const int64_t HK = static_cast<int64_t>(p.H) * K;
   auto kq_slot = [&](int it) { return kq0 + (it % 3) * F::KQ_BYTES; };
   auto slot = [&](int it) { return slot0 + (it & 1) * F::SLOT_BYTES; };
+  auto gates = [&](int it) { return gate0 + (it % 3) * (4 * C); };  // gam, e^gam, e^{gam_L - gam}, beta
 
   if (wg == 2) {
     // ---------------- producer ----------------
@@ -105,78 +108,83 @@ __global__ void __launch_bounds__(384, 1)
     const int pt = tid - 256, pw = warp - 8;
     // Full chunks arrive by TMA (one thread issues the boxes, the slot's mbarrier counts their bytes); a sequence's
     // last, partial chunk by cp.async with its rows past the end zero-filled (a box would read the next
-    // sequence's). Bit s of kq_tma / v_tma: slot s is being filled by TMA; of kq_ph / v_ph: the parity of the
-    // slot's next phase.
-    uint32_t kq_tma = 0, v_tma = 0, kq_ph = 0, v_ph = 0;
-    auto load_kq = [&](int it) {
-      const ChunkInfo ci = chunk_info(p, run.rb + it, un.n);
+    // sequence's). Bit s of kq_ph / v_ph: the parity of the slot's next phase. Each chunk's bounds are read once.
+    uint32_t kq_ph = 0, v_ph = 0;
+    auto load_kq = [&](int it, const ChunkInfo& ci) {
       unsigned char* s = kq_slot(it);
-      const int sb = it % 3;
+      uint64_t* bar = kq_bar + it % 3;
       if (ci.len == C) {
-        kq_tma |= 1u << sb;
         if (pt == 0) {
           fence_async_smem();  // the slot's earlier reads and writes before the copy engine's writes
-          mbar_expect_tx(kq_bar + sb, F::KQ_BYTES);
+          mbar_expect_tx(bar, F::KQ_BYTES);
 #pragma unroll
           for (int b = 0; b < 2; ++b) {
-            tma_load_2d(s + b * (128 * 128), &tm_k, kq_bar + sb, h * K + 64 * b, static_cast<int>(ci.bos));
-            tma_load_2d(s + b * (128 * 128) + 64 * 128, &tm_q, kq_bar + sb, h * K + 64 * b,
-                        static_cast<int>(ci.bos));
+            tma_load_2d(s + b * (128 * 128), &tm_k, bar, h * K + 64 * b, static_cast<int>(ci.bos));
+            tma_load_2d(s + b * (128 * 128) + 64 * 128, &tm_q, bar, h * K + 64 * b, static_cast<int>(ci.bos));
           }
         }
       } else {
-        kq_tma &= ~(1u << sb);
         const St* kg = static_cast<const St*>(p.k) + ci.bos * HK + h * K;
         const St* qg = static_cast<const St*>(p.q) + ci.bos * HK + h * K;
         load_tile_sw128<St, C, K, 128, 128>(s, 0, kg, HK, ci.len, pt);
         load_tile_sw128<St, C, K, 128, 128>(s, 64, qg, HK, ci.len, pt);
       }
     };
-    auto load_v = [&](int it) {
-      const ChunkInfo ci = chunk_info(p, run.rb + it, un.n);
+    auto load_v = [&](int it, const ChunkInfo& ci) {
       unsigned char* vs = slot(it) + F::V_OFF;
-      const int sb = it & 1;
+      uint64_t* bar = v_bar + (it & 1);
       if (ci.len == C) {
-        v_tma |= 1u << sb;
         if (pt == 0) {
           fence_async_smem();
-          mbar_expect_tx(v_bar + sb, F::V_BYTES);
+          mbar_expect_tx(bar, F::V_BYTES);
 #pragma unroll
           for (int b = 0; b < 2; ++b)
-            tma_load_2d(vs + b * (64 * 128), &tm_v, v_bar + sb, hv * p.V + vt0 * F::TW + 64 * b,
-                        static_cast<int>(ci.bos));
+            tma_load_2d(vs + b * (64 * 128), &tm_v, bar, hv * p.V + vt0 * F::TW + 64 * b, static_cast<int>(ci.bos));
         }
       } else {
-        v_tma &= ~(1u << sb);
         const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V + vt0 * F::TW;
         load_tile_sw128<St, C, 2 * F::TW, 64, 128>(vs, 0, vg, static_cast<int64_t>(p.HV) * p.V, ci.len, pt);
       }
     };
     // waits for a slot's copies when they are TMA's (cp.async's: cp_async_wait, as the caller counts its groups)
-    auto wait_tma = [&](uint64_t* bars, uint32_t tma, uint32_t& ph, int sb) {
-      if (tma >> sb & 1u) {
-        mbar_wait(bars + sb, ph >> sb & 1u);
-        ph ^= 1u << sb;
-      }
+    auto wait_tma = [&](uint64_t* bar, uint32_t& ph, int sb) {
+      mbar_wait(bar + sb, ph >> sb & 1u);
+      ph ^= 1u << sb;
     };
-    // every warp holds the gates and betas of rows 2 lane, 2 lane + 1 of the next chunk, and forms the cumulative
-    // gate itself (the same values in the same order in each warp): no warp waits for another's. beta's bits are
-    // loaded now and converted when the chunk's work starts, so that no branch on its dtype waits for the load.
-    const int i0 = 2 * lane, i1 = i0 + 1;
+    // The gates: warp 3 loads those of the next chunk when a chunk starts (lane l: rows 2l and 2l + 1; beta's bits,
+    // converted when they are used, so that no branch on its dtype waits for the load) and forms them into the
+    // next K | Q slot's gate tile while warps 0 and 1 form the inverse's diagonal blocks.
+    const int i0 = 2 * lane;
     float a0 = 0.f, a1 = 0.f;
     uint32_t rb0 = 0u, rb1 = 0u;
-    auto fetch_gates = [&](int it) {
+    auto fetch_gates = [&](const ChunkInfo& ci) {
       a0 = a1 = 0.f;
       rb0 = rb1 = 0u;
-      const ChunkInfo ci = chunk_info(p, run.rb + it, un.n);
       const int64_t t0 = (ci.bos + i0) * p.HV + hv, t1 = t0 + p.HV;
       if (i0 < ci.len) { a0 = p.g[t0]; rb0 = load_bits(p.beta, p.beta_dtype, t0); }
-      if (i1 < ci.len) { a1 = p.g[t1]; rb1 = load_bits(p.beta, p.beta_dtype, t1); }
+      if (i0 + 1 < ci.len) { a1 = p.g[t1]; rb1 = load_bits(p.beta, p.beta_dtype, t1); }
     };
+    auto form_gates = [&](int it) {
+      float* gt = gates(it);
+      const float incl = warp_incl_scan(a0 + a1);
+      float excl = __shfl_up_sync(0xffffffffu, incl, 1);
+      if (lane == 0) excl = 0.f;
+      const float y0 = excl + a0, y1 = y0 + a1, yl = __shfl_sync(0xffffffffu, y1, 31);
+      *reinterpret_cast<float2*>(gt + i0) = make_float2(y0, y1);
+      *reinterpret_cast<float2*>(gt + C + i0) = make_float2(__expf(y0), __expf(y1));
+      *reinterpret_cast<float2*>(gt + 2 * C + i0) = make_float2(__expf(yl - y0), __expf(yl - y1));
+      *reinterpret_cast<float2*>(gt + 3 * C + i0) =
+          make_float2(bits_as_float(rb0, p.beta_dtype), bits_as_float(rb1, p.beta_dtype));
+    };
+    ChunkInfo ci_c{};  // this chunk's bounds
     if (n_it > 0) {
-      load_kq(0);
+      ci_c = chunk_info(p, run.rb, un.n);
+      load_kq(0, ci_c);
       cp_async_commit();
-      fetch_gates(0);
+      if (pw == 3) {
+        fetch_gates(ci_c);
+        form_gates(0);
+      }
     }
     // A's tiles above the diagonal blocks and Tm's blocks above its diagonal blocks are never written below:
     // zero once
@@ -189,32 +197,20 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll 1
     for (int it = 0; it < n_it; ++it) {
       if (it >= 2) bar_sync(kBarEmpty + (it & 1), 384);  // chunk it - 2 is done: its slot and K | Q slot are free
-      load_v(it);
+      const bool next = it + 1 < n_it;
+      const ChunkInfo ci_n = next ? chunk_info(p, run.rb + it + 1, un.n) : ChunkInfo{};
+      load_v(it, ci_c);
       cp_async_commit();
-      if (it + 1 < n_it) load_kq(it + 1);
+      if (next) load_kq(it + 1, ci_n);
       cp_async_commit();
+      if (pw == 3 && next) fetch_gates(ci_n);  // in flight during this chunk's work
       unsigned char* sl = slot(it);
       unsigned char* kq = kq_slot(it);
-      float* bet = bet2 + (it & 1) * C;
-      float* gs = reinterpret_cast<float*>(sl + F::G_OFF);
-      float* eg = gs + C;
-      float* egl = gs + 2 * C;
-      const float incl = warp_incl_scan(a0 + a1);
-      float excl = __shfl_up_sync(0xffffffffu, incl, 1);
-      if (lane == 0) excl = 0.f;
-      const float y0 = excl + a0, y1 = y0 + a1;  // rows i0, i1 of this chunk
-      const float c0 = bits_as_float(rb0, p.beta_dtype), c1 = bits_as_float(rb1, p.beta_dtype);
-      if (pw == 0) {  // the state warpgroups' gates, and beta for the Tm diag(beta) store below
-        const float yl = __shfl_sync(0xffffffffu, y1, 31);
-        *reinterpret_cast<float2*>(gs + i0) = make_float2(y0, y1);
-        *reinterpret_cast<float2*>(eg + i0) = make_float2(__expf(y0), __expf(y1));
-        *reinterpret_cast<float2*>(egl + i0) = make_float2(__expf(yl - y0), __expf(yl - y1));
-        *reinterpret_cast<float2*>(bet + i0) = make_float2(c0, c1);
-      }
-      if (it + 1 < n_it) fetch_gates(it + 1);  // in flight during this chunk's work
+      const float* gs = gates(it);
+      const float* bet = gs + 3 * C;
       cp_async_wait<2>();  // this chunk's K | Q (the two groups after it may be in flight)
-      wait_tma(kq_bar, kq_tma, kq_ph, it % 3);
-      bar_sync(kBarPrep, 128);
+      if (ci_c.len == C) wait_tma(kq_bar, kq_ph, it % 3);
+      bar_sync(kBarPrep, 128);  // (and the gates, formed during the previous chunk)
 
       // K K^T, then M (to Mf, fp32); Q K^T, then A (to the slot's sw128 tile): this warp's 16 rows, two adjacent
       // columns per step. Column tiles past the diagonal's are skipped (M is not read there, A is zero there). One
@@ -225,11 +221,8 @@ __global__ void __launch_bounds__(384, 1)
         float gi[2], bi[2];
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-          const int src = 8 * pw + (g8 >> 1) + 4 * hr;  // lane of row 16 pw + g8 + 8 hr
-          const float ya = __shfl_sync(0xffffffffu, y0, src), yb = __shfl_sync(0xffffffffu, y1, src);
-          const float ca = __shfl_sync(0xffffffffu, c0, src), cb = __shfl_sync(0xffffffffu, c1, src);
-          gi[hr] = (g8 & 1) ? yb : ya;
-          bi[hr] = (g8 & 1) ? cb : ca;
+          gi[hr] = gs[16 * pw + g8 + 8 * hr];
+          bi[hr] = bet[16 * pw + g8 + 8 * hr];
         }
         auto issue = [&](float (&x)[8][4], bool qk) {
           wg_fence();
@@ -246,11 +239,13 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
           for (int nt = 0; nt < 8; ++nt) {
             const int j = 8 * nt + 2 * q;
-            const float gjx = __shfl_sync(0xffffffffu, y0, 4 * nt + q), gjy = __shfl_sync(0xffffffffu, y1, 4 * nt + q);
+            const float2 gj = *reinterpret_cast<const float2*>(gs + j);
+            const float gjx = gj.x, gjy = gj.y;
             if constexpr (!IS_A) {
               // M's blocks (2, 0), (3, 0) and (3, 1) from the transposed blocks of K K^T (symmetric) that warps 0
               // and 1 hold: 6, 6, 4, 4 column tiles per warp instead of 2, 4, 6, 8
-              const float bjx = __shfl_sync(0xffffffffu, c0, 4 * nt + q), bjy = __shfl_sync(0xffffffffu, c1, 4 * nt + q);
+              const float2 bj = *reinterpret_cast<const float2*>(bet + j);
+              const float bjx = bj.x, bjy = bj.y;
               if ((pw == 0 && nt >= 4) || (pw == 1 && nt >= 6)) {
 #pragma unroll
                 for (int hr = 0; hr < 2; ++hr) {
@@ -300,6 +295,7 @@ __global__ void __launch_bounds__(384, 1)
         issue(x, true);
         bar_sync(kBarPrep, 128);  // M is complete
         inverse_diag_blocks(Mf, Tf, pt);
+        if (pw == 3 && next) form_gates(it + 1);
         wg_wait<0>();
         wg_fence_acc(x);
         terms(x, std::true_type{});
@@ -325,9 +321,10 @@ __global__ void __launch_bounds__(384, 1)
         }
       }
       cp_async_wait<1>();  // this chunk's V tile
-      wait_tma(v_bar, v_tma, v_ph, it & 1);
+      if (ci_c.len == C) wait_tma(v_bar, v_ph, it & 1);
       fence_async_smem();  // the slot's tiles are read by wgmma next
       bar_arrive(kBarFull + (it & 1), 384);
+      ci_c = ci_n;
     }
     return;
   }
@@ -361,7 +358,7 @@ __global__ void __launch_bounds__(384, 1)
     const St* As = reinterpret_cast<const St*>(sl + F::A_OFF);
     const St* Ts = reinterpret_cast<const St*>(sl + F::T_OFF);
     const unsigned char* Us = sl + F::V_OFF;
-    const float* gs = reinterpret_cast<const float*>(sl + F::G_OFF);
+    const float* gs = gates(it);
     const float* eg = gs + C;
     const float* egl = gs + 2 * C;
     const ChunkInfo ci = chunk_info(p, c, un.n);
