@@ -8,10 +8,11 @@
 // Tm diag(beta), the last two straight into the sw128 tiles the state products read. Nothing of it goes through
 // memory, and the products of the inverse run while the state warpgroups run the previous chunk.
 //
-// Shared memory: three K | Q slots (the producer loads chunk c + 1's while it works on chunk c and the state
-// warpgroups read chunk c - 1's), two slots of the per-chunk tiles (A, Tm diag(beta), V and the gates), the
-// output's staging tile, and the producer's fp32 tiles (M, Tm, the inverse's scratch, beta). Named barriers hand
-// the slots over (FULL: the producer has filled the slot of chunk c; EMPTY: the state warpgroups are done with
+// Shared memory: three K | Q slots with their chunk's gates (the producer loads chunk c + 1's while it works on
+// chunk c and the state warpgroups read chunk c - 1's), two slots of the per-chunk tiles (A, Tm diag(beta), V),
+// the output's staging tile, the producer's fp32 tiles (M, Tm, the inverse's scratch) and the copies' mbarriers.
+// A full chunk's K, Q and V arrive by TMA (tma.cuh), a sequence's last, partial chunk by cp.async. Named barriers
+// hand the slots over (FULL: the producer has filled the slot of chunk c; EMPTY: the state warpgroups are done with
 // chunk c); the producer and the state warpgroups also have a barrier each of their own.
 //
 // Where it runs (fwd_fused_applies in params.h): 16-bit inputs, K = 128, V a multiple of 128, the state pass in
