@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(384, 1)
       // K K^T, then M (to Mf, fp32); Q K^T, then A (to the slot's sw128 tile): this warp's 16 rows, two adjacent
       // columns per step. Column tiles past the diagonal's are skipped (M is not read there, A is zero there). One
       // 64 x 64 accumulator at a time: the producer runs on few registers. The gates and betas of rows and
-      // columns come from the lanes that hold them.
+      // columns come from the chunk's gate tile.
       {
         unsigned char* As = sl + F::A_OFF;
         float gi[2], bi[2];
