@@ -24,6 +24,15 @@
 namespace gated_delta {
 namespace cuda {
 
+// ---- named barriers (IDs 1..15; 0 is __syncthreads) ----
+// bar_sync waits until n threads (a multiple of 32) have arrived or synced on id, bar_arrive counts this thread's
+// warp without waiting. Shared-memory writes before either are visible after the barrier to the threads that sync
+// on it.
+__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
 // ---- mma ----
 // (mma_bf16 and mma_f16 differ only in the operand type of the instruction.)
 __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], const uint32_t b[2]) {

@@ -28,7 +28,7 @@ struct CtaBar {
   __device__ __forceinline__ void operator()() const { __syncthreads(); }
 };
 template <int ID> struct NamedBar {
-  __device__ __forceinline__ void operator()() const { asm volatile("bar.sync %0, 128;\n" ::"n"(ID) : "memory"); }
+  __device__ __forceinline__ void operator()() const { bar_sync(ID, 128); }
 };
 
 // Zeros the six 16 x 16 blocks of Tf above its diagonal blocks: 384 float4 stores, 3 per thread.

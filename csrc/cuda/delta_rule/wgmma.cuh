@@ -121,13 +121,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[8][4], uint64_t da, uint64_t
 #undef GD_WG_F4
 
 // ---- warp-specialised CTAs ----
-// Named barriers (IDs 1..15; 0 is __syncthreads): bar_sync waits until n threads (a multiple of 32) have arrived
-// or synced on id, bar_arrive counts this thread's warp without waiting. Shared-memory writes before either are
-// visible after the barrier to the threads that sync on it.
-__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
-__device__ __forceinline__ void bar_arrive(int id, int n) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
-}
+// (named barriers: bar_sync, bar_arrive in mma.cuh)
 // The warpgroup's register budget per thread (a multiple of 8, 24..256): lowered by a warpgroup that needs few,
 // raised by those that then take them
 template <int R> __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)); }
