@@ -28,7 +28,9 @@ namespace cuda {
 // bar_sync waits until n threads (a multiple of 32) have arrived or synced on id, bar_arrive counts this thread's
 // warp without waiting. Shared-memory writes before either are visible after the barrier to the threads that sync
 // on it.
-__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void bar_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
 __device__ __forceinline__ void bar_arrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
