@@ -25,8 +25,7 @@ template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(
 // Copies a ROWS x COLS tile (row r from g + r * gstride) into shared memory with leading dimension ld;
 // rows >= rows_valid are zero-filled. COLS * sizeof(St) must be a multiple of 16 and g 16-byte aligned.
 // Each thread keeps one 16-byte column slot and walks rows NT / VPR apart, so the addresses advance by constants.
-// CHECK = false: every row is valid (rows_valid is not read), the same copies without the per-row test.
-template <class St, int ROWS, int COLS, int NT, bool CHECK = true>
+template <class St, int ROWS, int COLS, int NT>
 __device__ __forceinline__ void load_tile(St* s, int ld, const St* g, int64_t gstride, int rows_valid, int tid) {
   constexpr int EPV = 16 / sizeof(St);
   constexpr int VPR = COLS / EPV;
@@ -38,7 +37,7 @@ __device__ __forceinline__ void load_tile(St* s, int ld, const St* g, int64_t gs
     const int64_t gstep = static_cast<int64_t>(RS) * gstride;
 #pragma unroll
     for (int j = 0; j < ROWS / RS; ++j) {
-      const bool ok = !CHECK || r0 + j * RS < rows_valid;
+      const bool ok = r0 + j * RS < rows_valid;
       cp_async16(dst + j * RS * ld, ok ? src : g, ok);
       src += gstep;
     }
@@ -46,7 +45,7 @@ __device__ __forceinline__ void load_tile(St* s, int ld, const St* g, int64_t gs
 #pragma unroll 4
     for (int i = tid; i < ROWS * VPR; i += NT) {
       const int r = i / VPR, cv = i % VPR;
-      const bool ok = !CHECK || r < rows_valid;
+      const bool ok = r < rows_valid;
       const St* src = g + (ok ? static_cast<int64_t>(r) * gstride : 0) + cv * EPV;
       cp_async16(s + r * ld + cv * EPV, src, ok);
     }
