@@ -124,8 +124,12 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[8][4], uint64_t da, uint64_t
 // (named barriers: bar_sync, bar_arrive in mma.cuh)
 // The warpgroup's register budget per thread (a multiple of 8, 24..256): lowered by a warpgroup that needs few,
 // raised by those that then take them
-template <int R> __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)); }
-template <int R> __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R)); }
+template <int R> __device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+template <int R> __device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
 
 // ---- reads of a sw128 tile (16-bit) by ordinary shared-memory loads and ldmatrix ----
 // byte offset of element (r, c), c < 64, in a tile of one 64-column block; c even: the pair (c, c + 1) shares one
