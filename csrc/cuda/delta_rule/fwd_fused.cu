@@ -45,7 +45,8 @@ struct FusedFwdCfg {
   // A, Tm diag(beta) and V (the CTA's 128 columns: two 64-column blocks of 64 rows), all sw128
   static constexpr size_t A_OFF = 0, T_OFF = 8192, V_OFF = 16384, V_BYTES = 2 * 64 * 128;
   static constexpr size_t SLOT_BYTES = V_OFF + V_BYTES;
-  // per K | Q slot, the chunk's gates: gam, e^gam, e^{gam_L - gam} and beta, 64 floats each
+  // per K | Q slot, the chunk's gates: gam log2(e) (exponents in base 2 cost the terms a multiply each),
+  // e^gam, e^{gam_L - gam} and beta, 64 floats each
   static constexpr size_t GATE_BYTES = 4 * C * sizeof(float);
   static constexpr size_t OS_BYTES = sizeof(St) * C * LDT;
   static constexpr size_t PREP_BYTES = sizeof(float) * (2 * C * kLdF + kInvScratch);  // Mf, Tf, Pf
@@ -84,6 +85,9 @@ __global__ void __launch_bounds__(384, 1)
   float* gate0 = Pf + kInvScratch;
   uint64_t* kq_bar = reinterpret_cast<uint64_t*>(gate0 + 3 * 4 * C);  // completion of the copies into a K | Q slot
   uint64_t* v_bar = kq_bar + 3;                                        // ... and into a slot's V tile
+  // the run's first chunk, its chunk count and sequence, which the producer reads back after its registers are
+  // lowered (carried from before that point they were kept in local memory and reloaded every chunk)
+  int* run_sh = reinterpret_cast<int*>(kq_bar + 6);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
   const int wg = warp >> 2, vr = warp & 3;
@@ -95,18 +99,22 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int b = 0; b < 5; ++b) mbar_init(kq_bar + b, 1);
     mbar_init_fence();
+    run_sh[0] = run.rb;
+    run_sh[1] = run.re - run.rb;
+    run_sh[2] = un.n;
   }
   __syncthreads();
   const int n_it = run.re - run.rb;
   const int64_t HK = static_cast<int64_t>(p.H) * K;
   auto kq_slot = [&](int it) { return kq0 + (it % 3) * F::KQ_BYTES; };
   auto slot = [&](int it) { return slot0 + (it & 1) * F::SLOT_BYTES; };
-  auto gates = [&](int it) { return gate0 + (it % 3) * (4 * C); };  // gam, e^gam, e^{gam_L - gam}, beta
+  auto gates = [&](int it) { return gate0 + (it % 3) * (4 * C); };  // gam log2(e), e^gam, e^{gam_L - gam}, beta
 
   if (wg == 2) {
     // ---------------- producer ----------------
     setmaxnreg_dec<kRegsProducer>();
     const int pt = tid - 256, pw = warp - 8;
+    const int rb = run_sh[0], n_chunks = run_sh[1], seq = run_sh[2];
     // Full chunks arrive by TMA (one thread issues the boxes, the slot's mbarrier counts their bytes); a sequence's
     // last, partial chunk by cp.async with its rows past the end zero-filled (a box would read the next
     // sequence's). Bit s of kq_ph / v_ph: the parity of the slot's next phase. Each chunk's bounds are read once.
@@ -170,16 +178,17 @@ __global__ void __launch_bounds__(384, 1)
       const float incl = warp_incl_scan(a0 + a1);
       float excl = __shfl_up_sync(0xffffffffu, incl, 1);
       if (lane == 0) excl = 0.f;
-      const float y0 = excl + a0, y1 = y0 + a1, yl = __shfl_sync(0xffffffffu, y1, 31);
+      const float n0 = excl + a0, n1 = n0 + a1;
+      const float y0 = n0 * kLog2e, y1 = n1 * kLog2e, yl = __shfl_sync(0xffffffffu, y1, 31);
       *reinterpret_cast<float2*>(gt + i0) = make_float2(y0, y1);
-      *reinterpret_cast<float2*>(gt + C + i0) = make_float2(__expf(y0), __expf(y1));
-      *reinterpret_cast<float2*>(gt + 2 * C + i0) = make_float2(__expf(yl - y0), __expf(yl - y1));
+      *reinterpret_cast<float2*>(gt + C + i0) = make_float2(exp2_approx(y0), exp2_approx(y1));
+      *reinterpret_cast<float2*>(gt + 2 * C + i0) = make_float2(exp2_approx(yl - y0), exp2_approx(yl - y1));
       *reinterpret_cast<float2*>(gt + 3 * C + i0) =
           make_float2(bits_as_float(rb0, p.beta_dtype), bits_as_float(rb1, p.beta_dtype));
     };
     ChunkInfo ci_c{};  // this chunk's bounds
-    if (n_it > 0) {
-      ci_c = chunk_info(p, run.rb, un.n);
+    if (n_chunks > 0) {
+      ci_c = chunk_info(p, rb, seq);
       load_kq(0, ci_c);
       cp_async_commit();
       if (pw == 3) {
@@ -196,10 +205,10 @@ __global__ void __launch_bounds__(384, 1)
     zero_inverse_upper(Tf, pt);
 
 #pragma unroll 1
-    for (int it = 0; it < n_it; ++it) {
+    for (int it = 0; it < n_chunks; ++it) {
       if (it >= 2) bar_sync(kBarEmpty + (it & 1), 384);  // chunk it - 2 is done: its slot and K | Q slot are free
-      const bool next = it + 1 < n_it;
-      const ChunkInfo ci_n = next ? chunk_info(p, run.rb + it + 1, un.n) : ChunkInfo{};
+      const bool next = it + 1 < n_chunks;
+      const ChunkInfo ci_n = next ? chunk_info(p, rb + it + 1, seq) : ChunkInfo{};
       load_v(it, ci_c);
       cp_async_commit();
       if (next) load_kq(it + 1, ci_n);
@@ -225,18 +234,20 @@ __global__ void __launch_bounds__(384, 1)
           gi[hr] = gs[16 * pw + g8 + 8 * hr];
           bi[hr] = bet[16 * pw + g8 + 8 * hr];
         }
+        const uint64_t dkq = sw128_desc(kq, 16);  // the steps' descriptors: offsets (in 16 bytes) from it
         auto issue = [&](float (&x)[8][4], bool qk) {
           wg_fence();
 #pragma unroll
           for (int s = 0; s < K / 16; ++s) {
-            const uint64_t dk = sw128_desc(kq + (s >> 2) * (128 * 128) + (s & 3) * 32, 16);
+            const uint64_t dk = dkq + (((s >> 2) * (128 * 128) + (s & 3) * 32) >> 4);
             wgmma_ss<St>(x, qk ? dk + ((64 * 128) >> 4) : dk, dk, s > 0);
           }
           wg_commit();
         };
         // the exponentials e^{gam_i - gam_j} are formed twice (for M, then A) instead of held
-        auto terms = [&](const float (&x)[8][4], auto is_a) {
+        auto terms = [&](const float (&x)[8][4], auto is_a, auto pw_c) {
           constexpr bool IS_A = decltype(is_a)::value;
+          constexpr int PW = decltype(pw_c)::value;
 #pragma unroll
           for (int nt = 0; nt < 8; ++nt) {
             const int j = 8 * nt + 2 * q;
@@ -247,24 +258,24 @@ __global__ void __launch_bounds__(384, 1)
               // and 1 hold: 6, 6, 4, 4 column tiles per warp instead of 2, 4, 6, 8
               const float2 bj = *reinterpret_cast<const float2*>(bet + j);
               const float bjx = bj.x, bjy = bj.y;
-              if ((pw == 0 && nt >= 4) || (pw == 1 && nt >= 6)) {
+              if ((PW == 0 && nt >= 4) || (PW == 1 && nt >= 6)) {
 #pragma unroll
                 for (int hr = 0; hr < 2; ++hr) {
-                  const int r = 16 * pw + g8 + 8 * hr;  // M[j][r] and M[j + 1][r], j > r
-                  Mf[j * LDF + r] = bjx * x[nt][2 * hr] * __expf(gjx - gi[hr]);
-                  Mf[(j + 1) * LDF + r] = bjy * x[nt][2 * hr + 1] * __expf(gjy - gi[hr]);
+                  const int r = 16 * PW + g8 + 8 * hr;  // M[j][r] and M[j + 1][r], j > r
+                  Mf[j * LDF + r] = bjx * x[nt][2 * hr] * exp2_approx(gjx - gi[hr]);
+                  Mf[(j + 1) * LDF + r] = bjy * x[nt][2 * hr + 1] * exp2_approx(gjy - gi[hr]);
                 }
                 continue;
               }
-              if (nt > 2 * pw + 1 || (pw >= 2 && nt < 2 * (pw - 1))) continue;  // (those blocks: warps 0 and 1)
+              if (nt > 2 * PW + 1 || (PW >= 2 && nt < 2 * (PW - 1))) continue;  // (those blocks: warps 0 and 1)
             } else {
-              if (nt > 2 * pw + 1) continue;
+              if (nt > 2 * PW + 1) continue;
             }
-            const bool diag = nt >= 2 * pw;
+            const bool diag = nt >= 2 * PW;
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr) {
-              const int i = 16 * pw + g8 + 8 * hr;
-              float E0 = __expf(gi[hr] - gjx), E1 = __expf(gi[hr] - gjy);
+              const int i = 16 * PW + g8 + 8 * hr;
+              float E0 = exp2_approx(gi[hr] - gjx), E1 = exp2_approx(gi[hr] - gjy);
               if constexpr (IS_A) {
                 if (diag) {
                   E0 = i >= j ? E0 : 0.f;
@@ -284,12 +295,21 @@ __global__ void __launch_bounds__(384, 1)
             }
           }
         };
+        // each warp's terms with its rows known at compile time: the tests on them fold away
+        auto warp_terms = [&](const float (&x)[8][4], auto is_a) {
+          switch (pw) {
+            case 0: terms(x, is_a, std::integral_constant<int, 0>{}); break;
+            case 1: terms(x, is_a, std::integral_constant<int, 1>{}); break;
+            case 2: terms(x, is_a, std::integral_constant<int, 2>{}); break;
+            default: terms(x, is_a, std::integral_constant<int, 3>{}); break;
+          }
+        };
         {
           float x[8][4];
           issue(x, false);
           wg_wait<0>();
           wg_fence_acc(x);
-          terms(x, std::false_type{});
+          warp_terms(x, std::false_type{});
         }
         // Q K^T runs while warps 0 and 1 form the inverse's diagonal blocks, then A
         float x[8][4];
@@ -299,7 +319,7 @@ __global__ void __launch_bounds__(384, 1)
         if (pw == 3 && next) form_gates(it + 1);
         wg_wait<0>();
         wg_fence_acc(x);
-        terms(x, std::true_type{});
+        warp_terms(x, std::true_type{});
       }
       bar_sync(kBarPrep, 128);  // the diagonal blocks are complete
       block_inverse_tf32<NamedBar<kBarPrep>, /*DIAG=*/false>(Mf, Tf, Pf, pt);
@@ -420,7 +440,7 @@ __global__ void __launch_bounds__(384, 1)
     // accumulator
     const bool out = c >= run.ob;
     St* const og = static_cast<St*>(p.o) + (ci.bos * p.HV + hv) * p.V + vt0 * F::TW;
-    const float dl = __expf(gs[C - 1]);
+    const float dl = exp2_approx(gs[C - 1]);
 #pragma unroll
     for (int nt = 0; nt < K / 8; ++nt)
 #pragma unroll
