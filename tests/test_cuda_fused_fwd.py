@@ -1,9 +1,10 @@
 """GPU tests of the one-kernel forward (csrc/cuda/delta_rule/fwd_fused.cu) against the float64 token loop.
 
-With GATED_DELTA_FUSED_FWD=1 (set per test here) the forward runs as one warp-specialised kernel for 16-bit inputs
-with K = 128, V a multiple of 128 and the state pass in 64-column tiles: every case below has enough (sequence or
-segment x value head x 64 columns) tiles for that on an H200, and each test checks from the profiler that the
-kernel ran and the preparation kernel did not. Marked `gpu`, skipped without CUDA.
+The forward runs as one warp-specialised kernel for 16-bit inputs with K = 128, V a multiple of 128 and the state
+pass in 64-column tiles, except for segments shorter than 16 chunks (test_default_choice). GATED_DELTA_FUSED_FWD=1
+(set per test here) takes it wherever it applies, =0 never (then prep + state_fwd, tested here too). Every case
+below has enough (sequence or segment x value head x 64 columns) tiles for that on an H200, and each test checks
+from the profiler which kernels ran. Marked `gpu`, skipped without CUDA.
 """
 import os
 import subprocess
@@ -70,6 +71,36 @@ def test_forward_against_reference(name, dtype, algorithm):
         assert e <= tol, f"{key}: relative error {e:.3e} > {tol:.1e} ({errs})"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["T1", "T63_G4", "T1000_V256", "varlen"])
+def test_two_kernel_forward_against_reference(name, dtype, monkeypatch):
+    """GATED_DELTA_FUSED_FWD=0: the forward is prep + state_fwd (what the backward recomputes)."""
+    monkeypatch.setenv("GATED_DELTA_FUSED_FWD", "0")
+    inp, ref = _case(name, dtype)
+    ours, names = _kernels(lambda: run_ours(inp, grads=False))
+    assert "fwd_fused_kernel" not in names and "prep_kernel" in names and "state_fwd_kernel" in names, names
+    tol = TOL[dtype][0]
+    for key in ("o", "ht"):
+        e = rel_err(ours[key], ref[key])
+        assert torch.isfinite(ours[key]).all(), key
+        assert e <= tol, f"{key}: relative error {e:.3e} > {tol:.1e}"
+
+
+def test_default_choice(monkeypatch):
+    """Without the variable: the one-kernel forward without segments and with segments of 16 chunks or more, prep +
+    state_fwd with shorter ones (whose warm-up chunks it would prepare again per segment)."""
+    monkeypatch.delenv("GATED_DELTA_FUSED_FWD")
+    cases = [
+        ((4, 300, 8, 32), True),  # no segments
+        ((1, 8192, 16, 32), True),  # 128 chunks in at most 4 segments per value head: 32 chunks or more each
+        ((1, 1100, 4, 16), False),  # 18 chunks in 2 or more segments of at least 8
+    ]
+    for (B, T, H, HV), fused in cases:
+        inp = make_inputs(B, T, H, HV, 128, 128, torch.bfloat16, seed=T)
+        _, names = _kernels(lambda: run_ours(inp, algorithm="auto", grads=False))
+        assert ("fwd_fused_kernel" in names) == fused and ("prep_kernel" in names) != fused, (B, T, H, HV, names)
+
+
 # Segments (algorithm="auto" with few sequence x value head units): B, T, H, HV, cu_seqlens, value heads without
 # decay (g = 0: no warm-up is proven there, the exact fallback runs them whole)
 SEG_CASES = {
@@ -134,7 +165,7 @@ def test_deterministic_and_graph_replay():
 
 
 def test_matches_two_kernel_forward():
-    """Without GATED_DELTA_FUSED_FWD=1 the forward is prep + state_fwd: both forwards agree to their bf16 rounding."""
+    """With GATED_DELTA_FUSED_FWD=0 the forward is prep + state_fwd: both forwards agree to their bf16 rounding."""
     code = (
         "import sys, torch; sys.path.insert(0, %r); from gpu_helpers import make_inputs, run_ours; "
         "inp = make_inputs(4, 300, 8, 32, 128, 128, torch.bfloat16, seed=3); r = run_ours(inp, grads=False); "

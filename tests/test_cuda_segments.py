@@ -139,7 +139,8 @@ def _profiled(fn):
         r = fn()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return r, {k: sum(k in n for n in names) for k in ("state_fwd_kernel", "state_rev_kernel", "combine_kernel")}
+    kernels = ("fwd_fused_kernel", "state_fwd_kernel", "state_rev_kernel", "combine_kernel")
+    return r, {k: sum(k in n for n in names) for k in kernels}
 
 
 def _kernel_counts(fn):
@@ -150,11 +151,11 @@ def test_auto_takes_segments_scan_and_chunk_do_not():
     inp, d_o, d_ht, _ = _case("proven", torch.bfloat16)
     seg = _kernel_counts(lambda: run_ours(inp, d_o, d_ht, algorithm="auto"))
     # forward: segments + fallback; backward: the same for both state passes; no composition of maps
-    assert seg == {"state_fwd_kernel": 4, "state_rev_kernel": 2, "combine_kernel": 0}, seg
+    assert seg == {"fwd_fused_kernel": 0, "state_fwd_kernel": 4, "state_rev_kernel": 2, "combine_kernel": 0}, seg
     scan = _kernel_counts(lambda: run_ours(inp, d_o, d_ht, algorithm="scan"))
     assert scan["combine_kernel"] == 3, scan
     chunk = _kernel_counts(lambda: run_ours(inp, d_o, d_ht, algorithm="chunk"))
-    assert chunk == {"state_fwd_kernel": 2, "state_rev_kernel": 1, "combine_kernel": 0}, chunk
+    assert chunk == {"fwd_fused_kernel": 0, "state_fwd_kernel": 2, "state_rev_kernel": 1, "combine_kernel": 0}, chunk
 
 
 def test_segments_deterministic():
@@ -175,7 +176,8 @@ def test_segment_slots_forward_and_backward(V):
     """The warpgroup state passes count two 64-column tiles per SM: the forward's always, the backward's where V
     holds an even number of tiles (one CTA of two warpgroups). A batch of one sequence with as many tiles as SMs is
     cut into segments (segments + fallback pass) where its pass counts two slots per SM and walked whole where it
-    counts one: with V = 64 the backward walks it whole, with V = 128 both directions cut it. Against the float64
+    counts one: with V = 64 the backward walks it whole, with V = 128 both directions cut it. Its segments are
+    shorter than 16 chunks, so the forward is prep + state_fwd, not the one-kernel forward. Against the float64
     loop."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     HV = sms * 64 // V  # sms tiles per sequence
@@ -186,7 +188,8 @@ def test_segment_slots_forward_and_backward(V):
     d_ht = torch.randn(1, HV, 128, V, generator=gen).to("cuda")
     out, counts = _profiled(lambda: run_ours(inp, d_o, d_ht, algorithm="auto"))
     if V == 64:  # forward: segments + fallback; backward: one state_fwd (states of every chunk), one state_rev
-        assert counts == {"state_fwd_kernel": 3, "state_rev_kernel": 1, "combine_kernel": 0}, counts
+        want = {"fwd_fused_kernel": 0, "state_fwd_kernel": 3, "state_rev_kernel": 1, "combine_kernel": 0}
     else:  # both: segments + fallback
-        assert counts == {"state_fwd_kernel": 4, "state_rev_kernel": 2, "combine_kernel": 0}, counts
+        want = {"fwd_fused_kernel": 0, "state_fwd_kernel": 4, "state_rev_kernel": 2, "combine_kernel": 0}
+    assert counts == want, counts
     _assert_close(f"segment slots, V = {V}", out, reference(inp, d_o, d_ht), torch.bfloat16)

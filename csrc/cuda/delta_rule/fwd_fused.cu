@@ -160,9 +160,10 @@ __global__ void __launch_bounds__(384, 1)
       mbar_wait(bar + sb, ph >> sb & 1u);
       ph ^= 1u << sb;
     };
-    // The gates: warp 3 loads those of the next chunk when a chunk starts (lane l: rows 2l and 2l + 1; beta's bits,
+    // The gates: warp 2 loads those of the next chunk when a chunk starts (lane l: rows 2l and 2l + 1; beta's bits,
     // converted when they are used, so that no branch on its dtype waits for the load) and forms them into the
-    // next K | Q slot's gate tile while warps 0 and 1 form the inverse's diagonal blocks.
+    // next K | Q slot's gate tile while warps 0 and 1 form the inverse's diagonal blocks (warp 3 has the most
+    // terms of A: 8 column tiles against warp 2's 6).
     const int i0 = 2 * lane;
     float a0 = 0.f, a1 = 0.f;
     uint32_t rb0 = 0u, rb1 = 0u;
@@ -191,7 +192,7 @@ __global__ void __launch_bounds__(384, 1)
       ci_c = chunk_info(p, rb, seq);
       load_kq(0, ci_c);
       cp_async_commit();
-      if (pw == 3) {
+      if (pw == 2) {
         fetch_gates(ci_c);
         form_gates(0);
       }
@@ -213,7 +214,7 @@ __global__ void __launch_bounds__(384, 1)
       cp_async_commit();
       if (next) load_kq(it + 1, ci_n);
       cp_async_commit();
-      if (pw == 3 && next) fetch_gates(ci_n);  // in flight during this chunk's work
+      if (pw == 2 && next) fetch_gates(ci_n);  // in flight during this chunk's work
       unsigned char* sl = slot(it);
       unsigned char* kq = kq_slot(it);
       const float* gs = gates(it);
@@ -316,7 +317,7 @@ __global__ void __launch_bounds__(384, 1)
         issue(x, true);
         bar_sync(kBarPrep, 128);  // M is complete
         inverse_diag_blocks(Mf, Tf, pt);
-        if (pw == 3 && next) form_gates(it + 1);
+        if (pw == 2 && next) form_gates(it + 1);
         wg_wait<0>();
         wg_fence_acc(x);
         warp_terms(x, std::true_type{});
@@ -328,17 +329,17 @@ __global__ void __launch_bounds__(384, 1)
       {
         unsigned char* Ts = sl + F::T_OFF;
         const int r0 = pt >> 3, j = 8 * (pt & 7);
-        float bj[8];
+        float bj[8], t[4][8];
         ld8(bet + j, bj);
 #pragma unroll
+        for (int s = 0; s < 4; ++s) ld8(Tf + (r0 + 16 * s) * LDF + j, t[s]);  // (all loads before the stores)
+#pragma unroll
         for (int s = 0; s < 4; ++s) {
-          const int r = r0 + 16 * s;
-          float t[8];
-          ld8(Tf + r * LDF + j, t);
           uint32_t y[4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) Pack<St>::put(y, y, e, bj[2 * e] * t[2 * e], bj[2 * e + 1] * t[2 * e + 1]);
-          *reinterpret_cast<uint4*>(Ts + sw128_off(r, j)) = make_uint4(y[0], y[1], y[2], y[3]);
+          for (int e = 0; e < 4; ++e)
+            Pack<St>::put(y, y, e, bj[2 * e] * t[s][2 * e], bj[2 * e + 1] * t[s][2 * e + 1]);
+          *reinterpret_cast<uint4*>(Ts + sw128_off(r0 + 16 * s, j)) = make_uint4(y[0], y[1], y[2], y[3]);
         }
       }
       cp_async_wait<1>();  // this chunk's V tile

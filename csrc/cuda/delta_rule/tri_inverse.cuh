@@ -41,19 +41,21 @@ __device__ __forceinline__ void zero_inverse_upper(float* Tf, int tid) {
   }
 }
 
-// The four diagonal 16 x 16 blocks of Tf, by forward substitution (threads 0..63, one column each)
+// The four diagonal 16 x 16 blocks of Tf, by forward substitution (threads 0..63, one column each). Column-wise:
+// once x[j] is final it updates every later row, so each step is up to 15 independent multiply-adds rather than
+// one chain of 120; each row still takes its products in the order j = 0, 1, ..., as row by row, so the rounding
+// is the same.
 __device__ __forceinline__ void inverse_diag_blocks(const float* Mf, float* Tf, int tid) {
   constexpr int LD = kLdF;
   if (tid < 64) {
     const int b = tid >> 4, col = tid & 15, o = 16 * b;
     float x[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      float acc = (i == col) ? 1.f : 0.f;
+    for (int i = 0; i < 16; ++i) x[i] = (i == col) ? 1.f : 0.f;
 #pragma unroll
-      for (int j = 0; j < i; ++j) acc -= Mf[(o + i) * LD + o + j] * x[j];
-      x[i] = acc;
-    }
+    for (int j = 0; j < 15; ++j)
+#pragma unroll
+      for (int i = j + 1; i < 16; ++i) x[i] -= Mf[(o + i) * LD + o + j] * x[j];
 #pragma unroll
     for (int i = 0; i < 16; ++i) Tf[(o + i) * LD + o + col] = x[i];
   }
