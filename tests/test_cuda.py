@@ -86,14 +86,19 @@ def test_against_reference(name, dtype, algorithm):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_chunk_and_scan_agree(dtype):
+    """The two algorithms on the same inputs: fp32 to 1e-4; 16-bit within the tolerance each has against the float64
+    loop (their outputs and gradients are rounded to bf16 along different paths)."""
     inp = make_inputs(2, 3000, 1, 2, 128, 128, dtype)
-    d_o = torch.randn(2, 3000, 2, 128, device="cuda").to(dtype)
-    d_ht = torch.randn(2, 2, 128, 128, device="cuda")
+    gen = torch.Generator(device="cpu").manual_seed(11)
+    d_o = torch.randn(2, 3000, 2, 128, generator=gen).to("cuda", dtype)
+    d_ht = torch.randn(2, 2, 128, 128, generator=gen).to("cuda")
     a = run_ours(inp, d_o, d_ht, algorithm="chunk")
     b = run_ours(inp, d_o, d_ht, algorithm="scan")
-    tol = 1e-4 if dtype == torch.float32 else 5e-3
     for key in a:
-        assert rel_err(b[key], a[key]) <= tol, key
+        tol = 1e-4 if dtype == torch.float32 else TOL[dtype][0 if key in ("o", "ht") else 1]
+        e = rel_err(b[key], a[key])
+        print(f"\n{dtype} {key}: {e:.2e}")
+        assert e <= tol, f"{key}: {e:.3e} > {tol:.1e}"
 
 
 def test_auto_and_recurrent_run():
