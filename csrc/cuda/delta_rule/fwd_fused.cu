@@ -50,7 +50,9 @@ struct FusedFwdCfg {
   static constexpr size_t GATE_BYTES = 4 * C * sizeof(float);
   static constexpr size_t OS_BYTES = sizeof(St) * C * LDT;
   static constexpr size_t PREP_BYTES = sizeof(float) * (2 * C * kLdF + kInvScratch);  // Mf, Tf, Pf
-  static constexpr size_t BAR_BYTES = 64;  // the mbarriers of the copies: 3 K | Q slots, 2 V slots
+  // the mbarriers of the copies (3 K | Q slots, 2 V slots) and, from byte 48, the run's bounds (run_sh)
+  static constexpr size_t BAR_BYTES = 64;
+  static_assert(5 * sizeof(uint64_t) <= 48 && 48 + 3 * sizeof(int) <= BAR_BYTES, "mbarriers and run bounds");
   static constexpr size_t bytes =
       3 * KQ_BYTES + 2 * SLOT_BYTES + 3 * GATE_BYTES + OS_BYTES + PREP_BYTES + BAR_BYTES + 1024;
   static_assert(bytes <= 227 * 1024, "shared memory of one CTA");
