@@ -448,11 +448,11 @@ void run_state_pass(Call& c, bool reverse, int mode, const float* init, float* f
 // Whether this forward runs as one kernel (fwd_fused.cu: the preparation inside the state pass, warp-specialised)
 // rather than prep + state_fwd: wherever it applies, except for segments shorter than 16 chunks. Its CTAs prepare
 // every chunk they walk, so a segment's warm-up chunks (up to 16) are prepared again by each segment that walks
-// them, where prep prepares each chunk once; with 8-chunk segments that made it slower than the two kernels on an
-// H200, as fast with 32, faster on every other benchmark row (benchmarks/RESULTS.md, "The one-kernel forward by
-// default"). GATED_DELTA_FUSED_FWD=1 in the environment takes it wherever it applies, =0 never; the variable is read
-// per call (a scan of the environment, well below a microsecond), so that a benchmark or a test can compare both
-// forwards in one process.
+// them, where prep prepares each chunk once; with 8-chunk segments that made it 12% slower than the two kernels on
+// an H200, with 32 from 5% faster to 2% slower, faster on every other benchmark row (benchmarks/RESULTS.md, "The
+// one-kernel forward by default"). GATED_DELTA_FUSED_FWD=1 in the environment takes it wherever it applies, =0
+// never; the variable is read per call (a scan of the environment, well below a microsecond), so that a benchmark
+// or a test can compare both forwards in one process.
 bool fused_forward(const Call& c) {
   if (!cuda::fwd_fused_applies(c.dt, c.p.K, c.p.V, c.p.tile32, c.L.scan)) return false;
   const char* e = std::getenv("GATED_DELTA_FUSED_FWD");
