@@ -16,7 +16,8 @@
 // chunk c); the producer and the state warpgroups also have a barrier each of their own.
 //
 // Where it runs (fwd_fused_applies in params.h): 16-bit inputs, K = 128, V a multiple of 128, the state pass in
-// 64-column tiles, no scan. With segments (Params::warm) it runs as state_fwd does, after lnorm_kernel below has
+// 64-column tiles, no scan; the host takes it there by default, except for segments shorter than 16 chunks
+// (fused_forward in delta_rule.cpp). With segments (Params::warm) it runs as state_fwd does, after lnorm_kernel below has
 // written the bounds their warm-ups walk: once for the segments, once more for the exact fallback; the producer
 // prepares every chunk the CTA walks, warm-up chunks included. Bitwise deterministic: every value is computed by
 // one thread in a fixed order.
