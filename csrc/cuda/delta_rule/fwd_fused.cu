@@ -17,10 +17,10 @@
 //
 // Where it runs (fwd_fused_applies in params.h): 16-bit inputs, K = 128, V a multiple of 128, the state pass in
 // 64-column tiles, no scan; the host takes it there by default, except for segments shorter than 16 chunks
-// (fused_forward in delta_rule.cpp). With segments (Params::warm) it runs as state_fwd does, after lnorm_kernel below has
-// written the bounds their warm-ups walk: once for the segments, once more for the exact fallback; the producer
-// prepares every chunk the CTA walks, warm-up chunks included. Bitwise deterministic: every value is computed by
-// one thread in a fixed order.
+// (fused_forward in delta_rule.cpp). With segments (Params::warm) it runs as state_fwd does, after lnorm_kernel
+// below has written the bounds their warm-ups walk: once for the segments, once more for the exact fallback; the
+// producer prepares every chunk the CTA walks, warm-up chunks included. Bitwise deterministic: every value is
+// computed by one thread in a fixed order.
 // Mirrored kernel staging: the state warpgroups' per-chunk products follow state_fwd.cuh's warpgroup pass, and the
 // producer's element-wise terms prep.cu's, written out here so that this kernel's registers (setmaxnreg budgets)
 // and the order of its products are tuned on their own.
@@ -159,8 +159,8 @@ __global__ void __launch_bounds__(384, 1)
       }
     };
     // waits for a slot's copies when they are TMA's (cp.async's: cp_async_wait, as the caller counts its groups)
-    auto wait_tma = [&](uint64_t* bar, uint32_t& ph, int sb) {
-      mbar_wait(bar + sb, ph >> sb & 1u);
+    auto wait_tma = [&](uint64_t* bars, uint32_t& ph, int sb) {
+      mbar_wait(bars + sb, ph >> sb & 1u);
       ph ^= 1u << sb;
     };
     // The gates: warp 2 loads those of the next chunk when a chunk starts (lane l: rows 2l and 2l + 1; beta's bits,
