@@ -513,7 +513,7 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
   CoreForward out;
   out.o = o;
   out.final_state = ht;
-  if (fused_forward(c)) {  // one kernel, no intermediates in memory (segments: their bounds and proofs)
+  if (fused_forward(c)) {  // one kernel, no intermediates in memory (segments: their proofs)
     c.p.init = c.in.h0.defined() ? c.in.h0.data_ptr<float>() : nullptr;
     c.p.init_by_unit = 0;
     c.p.fin = ht.defined() ? ht.data_ptr<float>() : nullptr;
@@ -523,13 +523,10 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
     }
     Workspace ws;
     Regions r;
-    r.lnorm = ws.take(c.L.NC * c.p.HV * static_cast<int64_t>(sizeof(float)));
     r.seg_ok = ws.take(c.L.num_units * c.p.HV * static_cast<int64_t>(sizeof(int)));
     ws.allocate(c.opts);
-    c.p.lnorm = ws.ptr<float>(r.lnorm);
     c.p.seg_ok = ws.ptr<int>(r.seg_ok);
-    cuda::launch_lnorm(c.p, c.dt, c.stream);
-    c.p.warm = 1;  // the segments, then the exact fallback
+    c.p.warm = 1;  // the segments (each CTA forms the bounds its warm-up walks), then the exact fallback
     cuda::launch_fwd_fused(c.p, c.dt, c.stream);
     c.p.warm = 2;
     cuda::launch_fwd_fused(c.p, c.dt, c.stream);

@@ -17,8 +17,8 @@
 //
 // Where it runs (fwd_fused_applies in params.h): 16-bit inputs, K = 128, V a multiple of 128, the state pass in
 // 64-column tiles, no scan; the host takes it there by default, except for segments shorter than 16 chunks
-// (fused_forward in delta_rule.cpp). With segments (Params::warm) it runs as state_fwd does, after lnorm_kernel
-// below has written the bounds their warm-ups walk: once for the segments, once more for the exact fallback; the
+// (fused_forward in delta_rule.cpp). With segments (Params::warm) it runs as state_fwd does, once for the segments,
+// once more for the exact fallback; each CTA forms the bounds its warm-up walks itself (fused_warm_walk), and the
 // producer prepares every chunk the CTA walks, warm-up chunks included. Bitwise deterministic: every value is
 // computed by one thread in a fixed order.
 // Mirrored kernel staging: the state warpgroups' per-chunk products follow state_fwd.cuh's warpgroup pass, and the
@@ -71,6 +71,83 @@ constexpr int kBarPrep = 6;   // the producer warpgroup
 constexpr int kRegsState = 192, kRegsProducer = 120;
 static_assert(2 * 128 * kRegsState + 128 * kRegsProducer <= 168 * 384, "more registers than the CTA holds");
 
+// The bound of chunk c's transition norm for value head hv that the segments' warm-up walks (warmup.cuh), as the
+// preparation writes it on the two-kernel path: lnorm = sum_t (g_t + log max(1, |1 - m_t| + 2^-15 |m_t|)),
+// m_t = beta_t |k_t|^2 in fp32. One warp: lane l on rows 2l and 2l + 1, the lanes' sums then added over the warp.
+template <class St>
+__device__ __forceinline__ float chunk_lnorm(const Params& p, int c, int h, int hv) {
+  constexpr int K = 128, E = 16 / sizeof(St);
+  const int lane = threadIdx.x & 31;
+  const ChunkInfo ci = chunk_info(p, c);
+  float s = 0.f;
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const int row = 2 * lane + t;
+    if (row >= ci.len) continue;
+    const uint4* kr = reinterpret_cast<const uint4*>(static_cast<const St*>(p.k) + ((ci.bos + row) * p.H + h) * K);
+    float kn = 0.f;
+#pragma unroll 4
+    for (int v = 0; v < K / E; ++v) {
+      const uint4 x = kr[v];
+#pragma unroll
+      for (int e = 0; e < E / 2; ++e) {
+        const float2 f = unpack2<St>((&x.x)[e]);
+        kn = fmaf(f.x, f.x, kn);
+        kn = fmaf(f.y, f.y, kn);
+      }
+    }
+    const int64_t i = (ci.bos + row) * p.HV + hv;
+    const float m = load_as_float(p.beta, p.beta_dtype, i) * kn;
+    const float nb = fabsf(1.f - m) + fabsf(m) * 0x1p-15f;
+    s += p.g[i];
+    if (nb > 1.f) s += logf(nb);
+  }
+  return warp_sum(s);
+}
+
+// warmup.cuh's forward walk (warm_walk) for this kernel, which forms the bounds it reads instead of reading lnorm
+// from memory: the CTA's 12 warps form those of 12 chunks at a time (edge - 1, edge - 2, ...: warp w the w-th), and
+// every thread adds them in that order until the sum proves a start from zero (<= kWarmLogBound). Only the chunks
+// the walk reaches are read, a few per segment at typical gates, where a pass of their own read every chunk's keys.
+// Called by every thread; scratch: 12 floats of shared memory.
+template <class St>
+__device__ __forceinline__ int fused_warm_walk(const Params& p, int h, int hv, int edge, int bound, float* scratch,
+                                               int& state) {
+  constexpr int W = FusedFwdCfg<St>::NT / 32;  // warps of the CTA
+  static_assert(W == 12, "the walk's batch is one chunk per warp");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int avail = edge - bound;
+  if (avail <= 0) {
+    state = 1;
+    return edge;
+  }
+  const int lim = min(avail, p.warm_max);
+  float sum = 0.f;
+  for (int j0 = 0; j0 < lim; j0 += W) {
+    if (j0 + warp < lim) {
+      const float x = chunk_lnorm<St>(p, edge - 1 - j0 - warp, h, hv);
+      if (lane == 0) scratch[warp] = x;
+    }
+    __syncthreads();
+    int hit = 0;  // chunks of this batch in the warm-up, once proven
+    for (int w = 0; w < W && j0 + w < lim && hit == 0; ++w) {
+      sum += scratch[w];
+      if (sum <= kWarmLogBound) hit = w + 1;
+    }
+    __syncthreads();  // (scratch is written again)
+    if (hit > 0) {
+      state = 0;
+      return edge - (j0 + hit);
+    }
+  }
+  if (avail <= p.warm_max) {
+    state = 1;
+    return bound;
+  }
+  state = -1;
+  return edge;
+}
+
 template <class St>
 __global__ void __launch_bounds__(384, 1)
     fwd_fused_kernel(const Params p, const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_q,
@@ -97,7 +174,10 @@ __global__ void __launch_bounds__(384, 1)
   const int u = blockIdx.x, vt0 = blockIdx.y * 2, hv = blockIdx.z, h = hv / p.G;
   const Unit un = get_unit(p, u);
   Run run;
-  if (!plan_run<false>(p, u, un, hv, vt0, run)) return;
+  auto walk = [&](int edge, int bound, bool, int& state) {
+    return fused_warm_walk<St>(p, h, hv, edge, bound, Pf, state);  // (Pf: the inverse's scratch, not yet used)
+  };
+  if (!plan_run<false>(p, u, un, hv, vt0, run, walk)) return;
   if (tid == 0) {
 #pragma unroll
     for (int b = 0; b < 5; ++b) mbar_init(kq_bar + b, 1);
@@ -492,59 +572,12 @@ __global__ void __launch_bounds__(384, 1)
   if (run.fin) store_state_tile<K, K, F::TW>(p, S, false, u, un.n, hv, vt, vr, 0, g8, q);
 }
 
-// The bound of each (chunk, value head) transition's norm that the segments' warm-up walks (warmup.cuh), as the
-// preparation writes it where it runs: lnorm = sum_t (g_t + log max(1, |1 - m_t| + 2^-15 |m_t|)), m_t = beta_t |k_t|^2
-// in fp32. One warp per (chunk, q/k head), lane l on rows 2l and 2l + 1; |k_t|^2 once for the group's value heads.
-template <class St>
-__global__ void __launch_bounds__(128) lnorm_kernel(const Params p) {
-  constexpr int K = 128, E = 16 / sizeof(St);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * 4 + warp;
-  if (w >= static_cast<int64_t>(p.NC) * p.H) return;
-  const int c = static_cast<int>(w / p.H), h = static_cast<int>(w % p.H);
-  const ChunkInfo ci = chunk_info(p, c);
-  float kn[2] = {0.f, 0.f};
-#pragma unroll
-  for (int t = 0; t < 2; ++t) {
-    const int row = 2 * lane + t;
-    if (row >= ci.len) continue;
-    const uint4* kr = reinterpret_cast<const uint4*>(static_cast<const St*>(p.k) + ((ci.bos + row) * p.H + h) * K);
-#pragma unroll 4
-    for (int v = 0; v < K / E; ++v) {
-      const uint4 x = kr[v];
-#pragma unroll
-      for (int e = 0; e < E / 2; ++e) {
-        const float2 f = unpack2<St>((&x.x)[e]);
-        kn[t] = fmaf(f.x, f.x, kn[t]);
-        kn[t] = fmaf(f.y, f.y, kn[t]);
-      }
-    }
-  }
-  for (int gi = 0; gi < p.G; ++gi) {
-    const int hv = h * p.G + gi;
-    float s = 0.f;
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int row = 2 * lane + t;
-      if (row >= ci.len) continue;
-      const int64_t i = (ci.bos + row) * p.HV + hv;
-      const float m = load_as_float(p.beta, p.beta_dtype, i) * kn[t];
-      const float nb = fabsf(1.f - m) + fabsf(m) * 0x1p-15f;
-      s += p.g[i];
-      if (nb > 1.f) s += logf(nb);
-    }
-    s = warp_sum(s);
-    if (lane == 0) p.lnorm[static_cast<int64_t>(c) * p.HV + hv] = s;
-  }
-}
-
 void launch_fwd_fused(const Params& p, DType dtype, void* stream) {
   if (p.num_units == 0) return;
   TORCH_CHECK(fwd_fused_applies(dtype, p.K, p.V, p.tile32, /*scan=*/false),
               "gated_delta CUDA: the one-kernel forward takes 16-bit inputs with K = 128, V a multiple of 128 and "
               "the state pass in 64-column tiles");
-  TORCH_CHECK(p.warm == 0 || (p.lnorm != nullptr && p.seg_ok != nullptr),
-              "gated_delta CUDA: the one-kernel forward's segments need lnorm and seg_ok");
+  TORCH_CHECK(p.warm == 0 || p.seg_ok != nullptr, "gated_delta CUDA: the one-kernel forward's segments need seg_ok");
   auto go = [&](auto st) {
     using St = decltype(st);
     using F = FusedFwdCfg<St>;
@@ -560,16 +593,6 @@ void launch_fwd_fused(const Params& p, DType dtype, void* stream) {
   };
   if (dtype == DType::kHalf) go(__half{});
   else go(__nv_bfloat16{});
-}
-
-void launch_lnorm(const Params& p, DType dtype, void* stream) {
-  if (p.NC == 0) return;
-  TORCH_CHECK(dtype != DType::kFloat && p.K == 128, "gated_delta CUDA: lnorm_kernel takes 16-bit inputs with K = 128");
-  const int64_t warps = static_cast<int64_t>(p.NC) * p.H;
-  const dim3 grid(static_cast<unsigned>((warps + 3) / 4));
-  if (dtype == DType::kHalf) lnorm_kernel<__half><<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  else lnorm_kernel<__nv_bfloat16><<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  GD_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace cuda

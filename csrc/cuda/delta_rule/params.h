@@ -130,11 +130,9 @@ inline bool fwd_fused_applies(DType dtype, int K, int V, int tile32, bool scan) 
 
 // Launchers (one per kernel family), defined in the .cu files; the storage type St is selected by dtype.
 void launch_prep(const Params& p, DType dtype, void* stream);
-// the one-kernel forward (fwd_fused_applies): reads q, k, v, g, beta, init (and with warm, lnorm); writes o, fin
+// the one-kernel forward (fwd_fused_applies): reads q, k, v, g, beta, init; writes o, fin
 // (and with warm = 1, seg_ok)
 void launch_fwd_fused(const Params& p, DType dtype, void* stream);
-// lnorm for the one-kernel forward's segments (the preparation writes it on the two-kernel path)
-void launch_lnorm(const Params& p, DType dtype, void* stream);
 // mode: 0 forward with output, 1 forward storing hT / VnT, 2 segment maps
 void launch_state_fwd(const Params& p, DType dtype, int mode, void* stream);
 // mode: 0 reverse storing dhT / dVnT, 1 segment maps

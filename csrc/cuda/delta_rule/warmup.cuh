@@ -99,8 +99,10 @@ struct Run {
 };
 
 // The run of CTA (unit u, tile vt, value head hv); false when it has nothing to do. Called by every thread.
-template <bool REV>
-__device__ __forceinline__ bool plan_run(const Params& p, int u, const Unit& un, int hv, int vt, Run& r) {
+// walk(edge, bound, rev, state): warm_walk's result for this CTA (a kernel without lnorm in memory forms the
+// bounds it reads itself).
+template <bool REV, class Walk>
+__device__ __forceinline__ bool plan_run(const Params& p, int u, const Unit& un, int hv, int vt, Run& r, Walk&& walk) {
   r.rb = r.ob = un.cb;
   r.re = r.oe = un.ce;
   r.zero = false;
@@ -120,15 +122,20 @@ __device__ __forceinline__ bool plan_run(const Params& p, int u, const Unit& un,
   }
   int state;
   if (!REV) {
-    r.rb = warm_walk(p, hv, un.cb, s0, false, state);
+    r.rb = walk(un.cb, s0, false, state);
     r.fin = un.ce >= s1;  // the last segment holds the final state
   } else {
-    r.re = warm_walk(p, hv, un.ce, s1, true, state);
+    r.re = walk(un.ce, s1, true, state);
     r.fin = un.cb <= s0;  // the first segment holds the initial-state gradient
   }
   r.zero = state == 0;
   if (vt == 0 && threadIdx.x == 0) p.seg_ok[static_cast<int64_t>(u) * p.HV + hv] = state >= 0 ? 1 : 0;
   return state >= 0;
+}
+template <bool REV>
+__device__ __forceinline__ bool plan_run(const Params& p, int u, const Unit& un, int hv, int vt, Run& r) {
+  auto walk = [&](int edge, int bound, bool rev, int& state) { return warm_walk(p, hv, edge, bound, rev, state); };
+  return plan_run<REV>(p, u, un, hv, vt, r, walk);
 }
 
 }  // namespace cuda
