@@ -98,9 +98,8 @@ __device__ __forceinline__ float chunk_lnorm(const Params& p, int c, int h, int 
     }
     const int64_t i = (ci.bos + row) * p.HV + hv;
     const float m = load_as_float(p.beta, p.beta_dtype, i) * kn;
-    const float nb = fabsf(1.f - m) + fabsf(m) * 0x1p-15f;
     s += p.g[i];
-    if (nb > 1.f) s += logf(nb);
+    add_log_stretch(s, m);
   }
   return warp_sum(s);
 }
@@ -140,12 +139,7 @@ __device__ __forceinline__ int fused_warm_walk(const Params& p, int h, int hv, i
       return edge - (j0 + hit);
     }
   }
-  if (avail <= p.warm_max) {
-    state = 1;
-    return bound;
-  }
-  state = -1;
-  return edge;
+  return walk_unproven(p, avail, edge, bound, state);
 }
 
 template <class St>

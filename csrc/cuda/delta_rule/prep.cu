@@ -16,6 +16,7 @@
 #include "mma.cuh"
 #include "tile_load.cuh"
 #include "tri_inverse.cuh"
+#include "warmup.cuh"
 
 namespace gated_delta {
 namespace cuda {
@@ -172,11 +173,7 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
       // the per-token factor max(1, |1 - m| + 2^-15 |m|) bounds |1 - b |k|^2| (m: b |k|^2 with its fp32 rounding)
       float pen = 0.f;
 #pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        const float m = bet[i0 + t] * kn[i0 + t];
-        const float nb = fabsf(1.f - m) + fabsf(m) * 0x1p-15f;
-        if (nb > 1.f) pen += logf(nb);
-      }
+      for (int t = 0; t < 2; ++t) add_log_stretch(pen, bet[i0 + t] * kn[i0 + t]);
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) pen += __shfl_xor_sync(0xffffffffu, pen, o);
       if (lane == 0) p.lnorm[chv] = gam[C - 1] + pen;

@@ -38,6 +38,25 @@ namespace cuda {
 
 constexpr float kWarmLogBound = -24.f;
 
+// Adds to s one token's term of lnorm beyond its gate: log max(1, |1 - m| + 2^-15 |m|), m = b |k|^2 in fp32 (the
+// bound above; the preparation and the one-kernel forward form lnorm with it).
+__device__ __forceinline__ void add_log_stretch(float& s, float m) {
+  const float nb = fabsf(1.f - m) + fabsf(m) * 0x1p-15f;
+  if (nb > 1.f) s += logf(nb);
+}
+
+// The end of a walk that proved no warm-up within its min(avail, p.warm_max) chunks: when those were all the
+// chunks up to the sequence's edge `bound`, the pass starts there from the true state (state 1), otherwise the
+// segment is left to the exact fallback (state -1).
+__device__ __forceinline__ int walk_unproven(const Params& p, int avail, int edge, int bound, int& state) {
+  if (avail <= p.warm_max) {
+    state = 1;
+    return bound;
+  }
+  state = -1;
+  return edge;
+}
+
 // The chunks [s0, s1) and the units [u0, u1) of sequence n.
 __device__ __forceinline__ void seq_range(const Params& p, int n, int& s0, int& s1, int& u0, int& u1) {
   if (p.unit_off != nullptr) {
@@ -82,12 +101,7 @@ __device__ __forceinline__ int warm_walk(const Params& p, int hv, int edge, int 
     }
     carry = __shfl_sync(0xffffffffu, s, 31);
   }
-  if (avail <= p.warm_max) {
-    state = 1;
-    return bound;
-  }
-  state = -1;
-  return edge;
+  return walk_unproven(p, avail, edge, bound, state);
 }
 
 // What one CTA of a sequential pass does: walk chunks [rb, re), store outputs of chunks [ob, oe), start from zero
