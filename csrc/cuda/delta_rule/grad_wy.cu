@@ -514,7 +514,10 @@ struct WyWgCfg {
   static constexpr int DV_OFF = DW_OFF + (K / 64) * ST;  // dVn^T: V / 64 blocks, then V: V / 64 blocks
   static_assert(PT % 1024 == 0, "1024-byte boundaries of the sw128 tiles");
   __host__ __device__ static int f_off(int V) { return DV_OFF + 2 * (V / 64) * ST; }
-  static size_t bytes(int V) { return f_off(V) + sizeof(float) * (C * LDF + 3 * 64 + 4 * 64) + 1024; }
+  // fp32: K K^T, then two slots each of a head's gam, beta and grad_qk's K-block parts of dgam, the row and column sums
+  static size_t bytes(int V) {
+    return f_off(V) + sizeof(float) * (C * LDF + 2 * (2 + K / 64) * 64 + 64 + 4 * 64) + 1024;
+  }
 };
 
 template <class St, int K>
@@ -533,9 +536,10 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
   unsigned char* dVr = smem + F::DV_OFF;
   unsigned char* Vr = dVr + NVB * ST;
   float* KKf = reinterpret_cast<float*>(smem + F::f_off(V));
-  float* gam = KKf + C * LDF;
-  float* bet = gam + 64;
-  float* rowv = bet + 64;
+  float* gamS = KKf + C * LDF;     // [2][64]: slot gi % 2 holds value head gi's rows
+  float* betS = gamS + 2 * 64;     // [2][64]
+  float* dgqS = betS + 2 * 64;     // [2][K / 64][64]
+  float* rowv = dgqS + 2 * NKB * 64;
   float* colv = rowv + 64;  // [4][64]
 
   const int c = blockIdx.x, h = blockIdx.y;
@@ -545,13 +549,25 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
 
   auto head = [&](int gi) { return WyHead<St>(p, ci, c, h, gi); };
   // a head's tiles load in two groups, each issued once the previous head is done with their buffers: dVn^T and V
-  // after its dTm and dV, Tm and dW after its dK
+  // after its dTm and dV, Tm and dW (with the head's gam and grad_qk's parts of dgam, to slot gi % 2) after its dK.
+  // Its beta (strided over the heads, in beta's dtype) is read into a register when dVn^T and V are issued and
+  // stored to its slot at the end of the previous head: no row of a head waits on memory when the head starts.
   auto issue_tm_dw = [&](int gi) {
     const WyHead<St> hd = head(gi);
     load_tile_sw128<St, C, C, C, 128, false>(TmS, 0, static_cast<const St*>(p.Tm) + hd.chv * C * C, C, C, tid);
     for (int kb = 0; kb < NKB; ++kb)
       load_tile_sw128<St, C, C, C, 128, false>(dWr + kb * ST, 0, hd.dW + kb * 64, K, C, tid);
+    if (tid < 16) {
+      cp_async16(gamS + (gi & 1) * 64 + 4 * tid, p.gam + hd.chv * C + 4 * tid, true);
+    } else if (tid < 16 * (1 + NKB)) {
+      const int kb = (tid - 16) >> 4, j = (tid - 16) & 15;
+      cp_async16(dgqS + ((gi & 1) * NKB + kb) * 64 + 4 * j,
+                 p.dgam1 + ((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hd.hv) * C + 4 * j, true);
+    }
     cp_async_commit();
+  };
+  auto beta_row = [&](int gi) {  // (threads 0..63: row tid)
+    return tid < ci.len ? load_as_float(p.beta, p.beta_dtype, (ci.bos + tid) * p.HV + h * p.G + gi) : 0.f;
   };
   auto issue_dvn_v = [&](int gi) {
     const WyHead<St> hd = head(gi);
@@ -569,6 +585,8 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
   issue_dvn_v(0);
   float dka[NKB][8][4];  // grad_qk's part of dk for this thread's fragment positions
   wy_dk_load<K>(dka, p, ci, h, warp, g8, q);
+  if (tid < 64) betS[tid] = beta_row(0);
+  float beta_next = 0.f;  // (threads 0..63: the next head's beta of row tid)
   cp_async_wait<2>();  // K (the first head's groups may still be in flight)
   fence_async_smem();
   __syncthreads();
@@ -590,8 +608,9 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
   for (int gi = 0; gi < p.G; ++gi) {
     const WyHead<St> hd = head(gi);
     const int hv = hd.hv;
-    const float dgam_qk = wy_head_rows(p, ci, c, hv, hd.chv, tid, gam, bet);
-    cp_async_wait<0>();  // this head's tiles (issued before the loop or during the previous head)
+    const float* gam = gamS + (gi & 1) * 64;
+    const float* bet = betS + (gi & 1) * 64;
+    cp_async_wait<0>();  // this head's tiles and rows (issued before the loop or during the previous head)
     fence_async_smem();
     __syncthreads();
 
@@ -661,7 +680,10 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
       }
     }
     __syncthreads();
-    if (gi + 1 < p.G) issue_dvn_v(gi + 1);  // (dVn^T and V are done with)
+    if (gi + 1 < p.G) {
+      issue_dvn_v(gi + 1);  // (dVn^T and V are done with)
+      if (tid < 64) beta_next = beta_row(gi + 1);
+    }
 
     // dM = -Tm^T dTm Tm^T, strictly lower (dTm N-major, then Tm K-major)
     float P[8][4], dM[8][4];
@@ -714,10 +736,14 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
     }
     wy_row_terms(p, ci, hv, rx, ry, rbeta, rgam, bet, rowv, warp, g8, q);
     __syncthreads();
-    if (gi + 1 < p.G) issue_tm_dw(gi + 1);  // (Tm and dW are done with)
+    if (gi + 1 < p.G) issue_tm_dw(gi + 1);  // (Tm and dW are done with; the rows go to the other slot)
     if (tid < 64) {
       const int i = tid;
+      float dgam_qk = 0.f;  // grad_qk's partial gradient of gam, summed over its K blocks
+#pragma unroll
+      for (int kb = 0; kb < NKB; ++kb) dgam_qk += dgqS[((gi & 1) * NKB + kb) * 64 + i];
       rowv[i] = rowv[i] - ((colv[i] + colv[64 + i]) + (colv[128 + i] + colv[192 + i])) + dgam_qk;
+      if (gi + 1 < p.G) betS[((gi + 1) & 1) * 64 + i] = beta_next;
     }
     __syncthreads();
     if (warp == 0) dg_of_chunk(p, ci, hv, rowv, lane);
