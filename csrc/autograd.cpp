@@ -1,7 +1,9 @@
 // Every C++ autograd Function of the library, registered for the Autograd key (the torchvision pattern): the
 // forward redispatches below autograd to the registered forward op, the backward calls the registered backward
 // op, so eager PyTorch, torch.compile and LibTorch callers all differentiate through real ops. Each saves its
-// inputs only: the backward recomputes everything else (no per-token state is ever kept).
+// inputs only: the backward recomputes everything else (no per-token state is ever kept). A call that records no
+// graph (grad mode off, or no input requiring grad) and carries no forward-mode tangent goes straight to the op
+// below autograd.
 // short_conv_update and decode_step mutate a cache and are inference-only (no autograd kernel).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -21,6 +23,19 @@ using torch::autograd::variable_list;
 
 at::Tensor or_undefined(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
 OptTensor or_none(const at::Tensor& t) { return t.defined() ? OptTensor(t) : c10::nullopt; }
+
+// Whether a call needs the autograd Function: grad mode on and an input that requires grad, or an input with a
+// forward-mode tangent (which the Function handles as before, whatever the grad mode). Otherwise the Autograd
+// kernels call the op below autograd at once: no graph node, nothing saved (a few microseconds of host time per
+// inference call).
+bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
+bool requires_grad(const OptTensor& t) { return t.has_value() && t->requires_grad(); }
+bool has_tangent(const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }
+bool has_tangent(const OptTensor& t) { return t.has_value() && has_tangent(*t); }
+template <class... T>
+bool records_graph(const T&... inputs) {
+  return (at::GradMode::is_enabled() && (requires_grad(inputs) || ...)) || (has_tangent(inputs) || ...);
+}
 
 // ---- the gated delta rule ----
 
@@ -119,6 +134,10 @@ class DeltaRuleFunction : public torch::autograd::Function<DeltaRuleFunction> {
 };
 
 FwdResult delta_rule_fwd_autograd(const DeltaRuleArgs& args) {
+  if (!std::apply([](const auto&... f) { return records_graph(f...); }, args.differentiable_fields())) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_fwd(args);
+  }
   auto out = std::apply([](const auto&... f) { return DeltaRuleFunction::apply(f...); }, args.fwd_fields());
   return {out[0], out[1]};
 }
@@ -166,6 +185,11 @@ std::tuple<at::Tensor, at::Tensor> short_conv_fwd_autograd(const at::Tensor& x, 
                                                            const OptTensor& bias, const OptTensor& h0,
                                                            const OptTensor& cu, bool output_final_state,
                                                            bool use_silu) {
+  if (!records_graph(x, weight, bias, h0)) {
+    static auto op = typed_op<ConvFwd>("gated_delta::short_conv_fwd");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, weight, bias, h0, cu, output_final_state, use_silu);
+  }
   auto out = ShortConvFunction::apply(x, weight, bias, h0, cu, output_final_state, use_silu);
   return {out[0], out[1]};
 }
@@ -205,6 +229,11 @@ class GatedRMSNormFunction : public torch::autograd::Function<GatedRMSNormFuncti
 
 std::tuple<at::Tensor, at::Tensor> gated_rmsnorm_fwd_autograd(const at::Tensor& x, const OptTensor& gate,
                                                               const OptTensor& weight, double eps) {
+  if (!records_graph(x, gate, weight)) {
+    static auto op = typed_op<NormFwd>("gated_delta::gated_rmsnorm_fwd");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, gate, weight, eps);
+  }
   auto out = GatedRMSNormFunction::apply(x, gate, weight, eps);
   return {out[0], out[1]};
 }

@@ -114,6 +114,51 @@ def test_empty_sequence_gradient_reaches_initial_state():
     assert torch.equal(grad, w)
 
 
+def test_calls_without_a_graph_match_recorded_ones():
+    """A call that records no graph (no_grad, or no input requiring grad) skips the autograd Function: same
+    outputs, bitwise, as a recorded call, no grad_fn; a recorded call still differentiates."""
+    q, k, v, g, beta = make_inputs(T=13)
+    h0 = torch.randn(1, 4, 8, 6, dtype=torch.float64)
+    o0, h_0 = gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o0.grad_fn is None and h_0.grad_fn is None
+    qr = q.clone().requires_grad_()
+    with torch.no_grad():
+        o1, h_1 = gated_delta_rule(qr, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o1.grad_fn is None and not o1.requires_grad
+    o2, h_2 = gated_delta_rule(qr, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o2.grad_fn is not None
+    for a, b in ((o0, o2), (o1, o2), (h_0, h_2), (h_1, h_2)):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+    (dq,) = torch.autograd.grad(o2.sum(), qr)
+    assert dq.shape == q.shape
+    # the layer ops: short convolution and gated RMSNorm
+    x = torch.randn(2, 7, 5, dtype=torch.float64)
+    w = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    y_rec, _ = torch.ops.gated_delta.short_conv_fwd(x, w, None, None, None, False, True)
+    with torch.no_grad():
+        y_plain, _ = torch.ops.gated_delta.short_conv_fwd(x, w, None, None, None, False, True)
+    assert y_rec.grad_fn is not None and y_plain.grad_fn is None
+    torch.testing.assert_close(y_plain, y_rec.detach(), rtol=0, atol=0)
+    z = torch.randn(3, 8, dtype=torch.float64)
+    nw = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    n_rec, _ = torch.ops.gated_delta.gated_rmsnorm_fwd(z, None, nw, 1e-6)
+    n_plain, _ = torch.ops.gated_delta.gated_rmsnorm_fwd(z, None, nw.detach(), 1e-6)
+    assert n_rec.grad_fn is not None and n_plain.grad_fn is None
+    torch.testing.assert_close(n_plain, n_rec.detach(), rtol=0, atol=0)
+
+
+def test_forward_mode_tangents_are_refused():
+    """A forward-mode tangent on an input reaches the autograd Function (which has no forward-mode formula) even
+    under no_grad, and fails there rather than being dropped."""
+    import torch.autograd.forward_ad as fwAD
+    q, k, v, g, beta = make_inputs(T=5)
+    with fwAD.dual_level():
+        qd = fwAD.make_dual(q, torch.randn_like(q))
+        for grad_mode in (True, False):
+            with torch.set_grad_enabled(grad_mode), pytest.raises(RuntimeError, match="jvp is not implemented"):
+                gated_delta_rule(qd, k, v, g, beta)
+
+
 def test_flash_linear_attention_names():
     q, k, v, g, beta = make_inputs(T=20)
     o_ref, h_ref = gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True)
