@@ -150,14 +150,21 @@ using ConvBwd = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const OptTensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
     const OptTensor&, bool);
 
+// short_conv_fwd below autograd (the Function's forward, and a call that records no graph)
+std::tuple<at::Tensor, at::Tensor> call_short_conv_fwd(const at::Tensor& x, const at::Tensor& weight,
+                                                       const OptTensor& bias, const OptTensor& h0,
+                                                       const OptTensor& cu, bool output_final_state, bool use_silu) {
+  static auto op = typed_op<ConvFwd>("gated_delta::short_conv_fwd");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(x, weight, bias, h0, cu, output_final_state, use_silu);
+}
+
 class ShortConvFunction : public torch::autograd::Function<ShortConvFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                                const OptTensor& bias, const OptTensor& h0, const OptTensor& cu,
                                bool output_final_state, bool use_silu) {
-    static auto op = typed_op<ConvFwd>("gated_delta::short_conv_fwd");
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [y, ht] = op.call(x, weight, bias, h0, cu, output_final_state, use_silu);
+    auto [y, ht] = call_short_conv_fwd(x, weight, bias, h0, cu, output_final_state, use_silu);
     ctx->save_for_backward({x, weight, or_undefined(bias), or_undefined(h0), or_undefined(cu)});
     ctx->saved_data["use_silu"] = use_silu;
     ctx->saved_data["output_final_state"] = output_final_state;
@@ -186,9 +193,7 @@ std::tuple<at::Tensor, at::Tensor> short_conv_fwd_autograd(const at::Tensor& x, 
                                                            const OptTensor& cu, bool output_final_state,
                                                            bool use_silu) {
   if (!records_graph(x, weight, bias, h0)) {
-    static auto op = typed_op<ConvFwd>("gated_delta::short_conv_fwd");
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(x, weight, bias, h0, cu, output_final_state, use_silu);
+    return call_short_conv_fwd(x, weight, bias, h0, cu, output_final_state, use_silu);
   }
   auto out = ShortConvFunction::apply(x, weight, bias, h0, cu, output_final_state, use_silu);
   return {out[0], out[1]};
@@ -201,13 +206,19 @@ using NormBwd = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&
                                                                const OptTensor&, const OptTensor&,
                                                                const at::Tensor&, double);
 
+// gated_rmsnorm_fwd below autograd (the Function's forward, and a call that records no graph)
+std::tuple<at::Tensor, at::Tensor> call_gated_rmsnorm_fwd(const at::Tensor& x, const OptTensor& gate,
+                                                          const OptTensor& weight, double eps) {
+  static auto op = typed_op<NormFwd>("gated_delta::gated_rmsnorm_fwd");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(x, gate, weight, eps);
+}
+
 class GatedRMSNormFunction : public torch::autograd::Function<GatedRMSNormFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const OptTensor& gate,
                                const OptTensor& weight, double eps) {
-    static auto op = typed_op<NormFwd>("gated_delta::gated_rmsnorm_fwd");
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [y, rstd] = op.call(x, gate, weight, eps);
+    auto [y, rstd] = call_gated_rmsnorm_fwd(x, gate, weight, eps);
     ctx->save_for_backward({x, or_undefined(gate), or_undefined(weight), rstd});
     ctx->saved_data["eps"] = eps;
     ctx->mark_non_differentiable({rstd});
@@ -229,11 +240,7 @@ class GatedRMSNormFunction : public torch::autograd::Function<GatedRMSNormFuncti
 
 std::tuple<at::Tensor, at::Tensor> gated_rmsnorm_fwd_autograd(const at::Tensor& x, const OptTensor& gate,
                                                               const OptTensor& weight, double eps) {
-  if (!records_graph(x, gate, weight)) {
-    static auto op = typed_op<NormFwd>("gated_delta::gated_rmsnorm_fwd");
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(x, gate, weight, eps);
-  }
+  if (!records_graph(x, gate, weight)) return call_gated_rmsnorm_fwd(x, gate, weight, eps);
   auto out = GatedRMSNormFunction::apply(x, gate, weight, eps);
   return {out[0], out[1]};
 }
