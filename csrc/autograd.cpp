@@ -1,7 +1,8 @@
 // Every C++ autograd Function of the library, registered for the Autograd key (the torchvision pattern): the
 // forward redispatches below autograd to the registered forward op, the backward calls the registered backward
 // op, so eager PyTorch, torch.compile and LibTorch callers all differentiate through real ops. Each saves its
-// inputs only: the backward recomputes everything else (no per-token state is ever kept). A call that records no
+// inputs, and the gated delta rule also the residual its backend's forward keeps for the backward
+// (fwd_with_residual: on CUDA the chunks' preparation; no per-token state is ever kept). A call that records no
 // graph (grad mode off, or no input requiring grad) and carries no forward-mode tangent goes straight to the op
 // below autograd.
 // short_conv_update and decode_step mutate a cache and are inference-only (no autograd kernel).
@@ -62,10 +63,12 @@ void load_field(AutogradContext* ctx, const variable_list&, size_t&, size_t i, T
   x = ctx->saved_data[std::to_string(i)].to<T>();
 }
 
-void save_args(AutogradContext* ctx, const DeltaRuleArgs& args) {
+// (the residual of the forward last, after the fwd fields)
+void save_args(AutogradContext* ctx, const DeltaRuleArgs& args, const at::Tensor& residual) {
   std::vector<at::Tensor> tensors;
   size_t i = 0;
   std::apply([&](const auto&... f) { (save_field(ctx, tensors, i++, f), ...); }, args.fwd_fields());
+  tensors.push_back(residual);
   ctx->save_for_backward(tensors);
 }
 
@@ -74,6 +77,7 @@ DeltaRuleArgs load_args(AutogradContext* ctx) {
   const variable_list tensors = ctx->get_saved_variables();
   size_t i = 0, next = 0;
   std::apply([&](auto&... f) { (load_field(ctx, tensors, next, i++, f), ...); }, args.fwd_fields());
+  if (tensors[next].defined() && tensors[next].numel() > 0) args.residual = tensors[next];
   return args;
 }
 
@@ -117,8 +121,8 @@ class DeltaRuleFunction : public torch::autograd::Function<DeltaRuleFunction> {
     DeltaRuleArgs args;
     detail::assign_fields(args.fwd_fields(), a...);
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [o, ht] = call_fwd(args);
-    save_args(ctx, args);
+    auto [o, ht, residual] = call_fwd_with_residual(args);
+    save_args(ctx, args, residual);
     ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined (no zeros allocated)
     if (!args.output_final_state) ctx->mark_non_differentiable({ht});
     return {o, ht};

@@ -209,6 +209,13 @@ at::Tensor check_delta_rule_grads(const DeltaRuleArgs& a, const Sizes& s, const 
   TORCH_CHECK(d_o.sizes() == a.v.sizes(), "d_o must have the shape of the output [B, T, HV, V] = ", shape_str(a.v),
               ", got ", shape_str(d_o));
   check_device_as(a.q, "q", d_o, "d_o");
+  if (a.residual.has_value() && a.residual->numel() > 0) {
+    const at::Tensor& r = *a.residual;
+    TORCH_CHECK(r.dim() == 1 && r.scalar_type() == at::kByte && r.is_contiguous(),
+                "residual must be the contiguous 1-D uint8 tensor that fwd_with_residual returned, got ",
+                r.scalar_type(), " of shape ", shape_str(r));
+    check_device_as(a.q, "q", r, "residual");
+  }
   if (!d_final_state.has_value() || d_final_state->numel() == 0) return at::Tensor();
   const at::Tensor& dht = *d_final_state;
   const QKVSizes qs{s.B, s.T, s.H, s.K, s.HV, s.V};

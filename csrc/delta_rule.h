@@ -46,6 +46,9 @@ struct DeltaRuleArgs {
   int64_t chunk_size = 64;
   // Per-key / per-value log decays [B, T, HV, K] / [B, T, HV, V] of the state's rows / columns (recurrent only).
   OptTensor gk, gv;
+  // bwd only: what fwd_with_residual returned with the outputs for these inputs (opaque bytes of the backend), or
+  // absent: the backward then recomputes it.
+  OptTensor residual;
 
   // The fields in the order of the fwd schema, and in the order of the bwd schema after its leading (d_o,
   // d_final_state): the two lists a new field joins. (One template each serves const and non-const access; they
@@ -62,7 +65,7 @@ struct DeltaRuleArgs {
     return std::tie(a.q, a.k, a.v, a.g, a.beta, a.scale, a.initial_state, a.cu_seqlens, a.cu_seqlens_cpu,
                     a.use_qk_l2norm_in_kernel, a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval,
                     a.use_gate_in_kernel, a.A_log, a.dt_bias, a.algorithm, a.chunk_size, a.gk, a.gv,
-                    a.state_v_first);
+                    a.state_v_first, a.residual);
   }
   auto fwd_fields() { return fwd_fields_of(*this); }
   auto fwd_fields() const { return fwd_fields_of(*this); }
@@ -75,6 +78,7 @@ struct DeltaRuleArgs {
 };
 
 using FwdResult = std::tuple<at::Tensor, at::Tensor>;  // o, final_state
+using FwdResidualResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // o, final_state, residual
 // dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias, dgk, dgv (one per differentiable field)
 using BwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                              at::Tensor, at::Tensor, at::Tensor>;
@@ -101,10 +105,17 @@ template <class Tie> struct FieldTypes;
 template <class... F> struct FieldTypes<std::tuple<F&...>> {
   // the unboxed kernel types of the fwd and bwd ops
   using fwd = FwdResult(op_arg_t<F>...);
+  using fwd_residual = FwdResidualResult(op_arg_t<F>...);
   using bwd = BwdResult(const at::Tensor&, const OptTensor&, op_arg_t<F>...);
 
   template <FwdResult (*Fn)(const DeltaRuleArgs&)>
   static FwdResult fwd_kernel(op_arg_t<F>... a) {
+    DeltaRuleArgs args;
+    assign_fields(args.fwd_fields(), a...);
+    return Fn(args);
+  }
+  template <FwdResidualResult (*Fn)(const DeltaRuleArgs&)>
+  static FwdResidualResult fwd_residual_kernel(op_arg_t<F>... a) {
     DeltaRuleArgs args;
     assign_fields(args.fwd_fields(), a...);
     return Fn(args);
@@ -125,6 +136,8 @@ using BwdFields = FieldTypes<decltype(std::declval<DeltaRuleArgs&>().bwd_fields(
 // dispatch key registers (m.impl("fwd", fwd_kernel<my_fwd>)).
 template <FwdResult (*Fn)(const DeltaRuleArgs&)>
 constexpr auto fwd_kernel = &detail::FwdFields::fwd_kernel<Fn>;
+template <FwdResidualResult (*Fn)(const DeltaRuleArgs&)>
+constexpr auto fwd_residual_kernel = &detail::FwdFields::fwd_residual_kernel<Fn>;
 template <BwdResult (*Fn)(const at::Tensor&, const OptTensor&, const DeltaRuleArgs&)>
 constexpr auto bwd_kernel = &detail::BwdFields::bwd_kernel<Fn>;
 
@@ -137,6 +150,10 @@ c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
 // Calls the registered ops through the dispatcher (from the current dispatch key down).
 inline FwdResult call_fwd(const DeltaRuleArgs& args) {
   static auto op = typed_op<detail::FwdFields::fwd>("gated_delta::fwd");
+  return std::apply([&](const auto&... f) { return op.call(f...); }, args.fwd_fields());
+}
+inline FwdResidualResult call_fwd_with_residual(const DeltaRuleArgs& args) {
+  static auto op = typed_op<detail::FwdFields::fwd_residual>("gated_delta::fwd_with_residual");
   return std::apply([&](const auto&... f) { return op.call(f...); }, args.fwd_fields());
 }
 inline BwdResult call_bwd(const at::Tensor& d_o, const OptTensor& d_final_state, const DeltaRuleArgs& args) {
@@ -195,6 +212,8 @@ struct CoreArgs {
   // Backward: a backend may return dbeta in beta's dtype instead of the state dtype; cleared by the op layer when
   // the sigmoid's chain rule still has to be applied to it.
   bool dbeta_in_beta_dtype = false;
+  // Backward: the residual a backend's forward kept for it (CoreForward::residual), or undefined.
+  at::Tensor residual;
 
   int64_t batch() const { return q.size(0); }
   int64_t seqlen() const { return q.size(1); }
@@ -216,6 +235,9 @@ inline at::Tensor state_k_first(const at::Tensor& state, bool state_v_first) {
 struct CoreForward {
   at::Tensor o;            // [B, T, HV, V], dtype of v
   at::Tensor final_state;  // [N, HV, K, V] state dtype, or undefined when not requested
+  // When asked for (keep_residual): what the backward would otherwise recompute, as bytes the same backend's
+  // backward reads (CoreArgs::residual); undefined where the backend keeps nothing.
+  at::Tensor residual;
 };
 
 struct CoreGrads {
@@ -230,9 +252,10 @@ struct CoreGrads {
 
 
 // Each backend defines its core functions (d_final_state may be undefined: no gradient flows into the final state)
-//   CoreForward core_forward_<backend>(const CoreArgs& args, bool output_final_state);
+//   CoreForward core_forward_<backend>(const CoreArgs& args, bool output_final_state, bool keep_residual);
 //   CoreGrads core_backward_<backend>(const CoreArgs& args, const at::Tensor& d_o, const at::Tensor& d_final_state);
-// and registers fwd_kernel<fwd_impl<core_forward_<backend>>> and bwd_kernel<bwd_impl<core_backward_<backend>>>.
+// and registers fwd_kernel<fwd_impl<core_forward_<backend>>>,
+// fwd_residual_kernel<fwd_residual_impl<core_forward_<backend>>> and bwd_kernel<bwd_impl<core_backward_<backend>>>.
 
 // ---- the op layer: validation and the in-kernel pre-processing around a backend's core ----
 
@@ -307,24 +330,41 @@ inline at::Tensor empty_grad(const at::Tensor& like) {
   return at::empty({0}, like.options().dtype(acc_dtype(like.scalar_type())));
 }
 
-template <CoreForward (*CoreFwd)(const CoreArgs&, bool)>
-FwdResult fwd_impl(const DeltaRuleArgs& x) {
+using CoreFwdFn = CoreForward (*)(const CoreArgs&, bool, bool);
+
+// The forward through a backend's core: o in v's dtype, the final state (an empty tensor unless asked for) and,
+// with keep_residual, the core's residual (an empty byte tensor where it keeps none).
+template <CoreFwdFn CoreFwd>
+CoreForward fwd_common(const DeltaRuleArgs& x, bool keep_residual) {
   const Sizes s = check_delta_rule_args(x);
   Preprocessed p = preprocess(x);
   const auto state_opts = x.q.options().dtype(p.core.state_dtype());
+  CoreForward r;
   if (s.T == 0) {
-    at::Tensor ht;
     if (x.output_final_state) {
-      ht = p.core.initial_state.defined() ? p.core.initial_state.clone()
-                                          : at::zeros(state_shape(s, x.state_v_first), state_opts);
-    } else {
-      ht = at::empty({0}, state_opts);
+      r.final_state = p.core.initial_state.defined() ? p.core.initial_state.clone()
+                                                     : at::zeros(state_shape(s, x.state_v_first), state_opts);
     }
-    return {at::empty({s.B, 0, s.HV, s.V}, x.v.options()), ht};
+    r.o = at::empty({s.B, 0, s.HV, s.V}, x.v.options());
+  } else {
+    r = CoreFwd(p.core, x.output_final_state, keep_residual);
+    r.o = r.o.to(x.v.scalar_type());
   }
-  CoreForward r = CoreFwd(p.core, x.output_final_state);
-  at::Tensor ht = x.output_final_state ? r.final_state : at::empty({0}, state_opts);
-  return {r.o.to(x.v.scalar_type()), ht};
+  if (!x.output_final_state) r.final_state = at::empty({0}, state_opts);
+  if (keep_residual && !r.residual.defined()) r.residual = at::empty({0}, x.q.options().dtype(at::kByte));
+  return r;
+}
+
+template <CoreFwdFn CoreFwd>
+FwdResult fwd_impl(const DeltaRuleArgs& x) {
+  CoreForward r = fwd_common<CoreFwd>(x, /*keep_residual=*/false);
+  return {r.o, r.final_state};
+}
+
+template <CoreFwdFn CoreFwd>
+FwdResidualResult fwd_residual_impl(const DeltaRuleArgs& x) {
+  CoreForward r = fwd_common<CoreFwd>(x, /*keep_residual=*/true);
+  return {r.o, r.final_state, r.residual};
 }
 
 template <CoreGrads (*CoreBwd)(const CoreArgs&, const at::Tensor&, const at::Tensor&)>
@@ -334,6 +374,7 @@ BwdResult bwd_impl(const at::Tensor& d_o, const OptTensor& d_final_state, const 
   Preprocessed p = preprocess(x);
   const at::ScalarType sd = p.core.state_dtype();
   if (dht.defined()) dht = dht.to(sd);
+  if (x.residual.has_value() && x.residual->numel() > 0) p.core.residual = *x.residual;  // (checked above)
 
   CoreGrads gr;
   if (s.T == 0) {

@@ -21,15 +21,25 @@ TORCH_LIBRARY(gated_delta, m) {
       "bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, bool use_gate_in_kernel, Tensor? A_log, "
       "Tensor? dt_bias, str algorithm, int chunk_size, Tensor? gk=None, Tensor? gv=None, bool state_v_first=False) -> "
       "(Tensor o, Tensor final_state)");
+  // The forward for a backward: fwd's outputs and the residual, opaque bytes of the backend that its backward reads
+  // instead of recomputing them (bwd's residual); an empty uint8 tensor where the backend keeps none.
+  m.def(
+      "fwd_with_residual(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor? initial_state, "
+      "bool output_final_state, Tensor? cu_seqlens, Tensor? cu_seqlens_cpu, bool use_qk_l2norm_in_kernel, "
+      "bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, bool use_gate_in_kernel, Tensor? A_log, "
+      "Tensor? dt_bias, str algorithm, int chunk_size, Tensor? gk=None, Tensor? gv=None, bool state_v_first=False) -> "
+      "(Tensor o, Tensor final_state, Tensor residual)");
   // gk [B, T, HV, K] / gv [B, T, HV, V]: per-key / per-value log decays (algorithm "recurrent" or "auto").
   // Arguments after chunk_size have defaults, so that calls written before them keep working.
   // Backward: gradients of every differentiable input. Gradients of absent inputs (initial_state, A_log,
-  // dt_bias, gk, gv) are empty tensors. When use_gate_in_kernel, dg is the gradient of g_raw.
+  // dt_bias, gk, gv) are empty tensors. When use_gate_in_kernel, dg is the gradient of g_raw. residual: what
+  // fwd_with_residual returned for these inputs, or absent (or empty): then recomputed.
   m.def(
       "bwd(Tensor d_o, Tensor? d_final_state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, "
       "Tensor? initial_state, Tensor? cu_seqlens, Tensor? cu_seqlens_cpu, bool use_qk_l2norm_in_kernel, "
       "bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, bool use_gate_in_kernel, Tensor? A_log, "
-      "Tensor? dt_bias, str algorithm, int chunk_size, Tensor? gk=None, Tensor? gv=None, bool state_v_first=False) -> "
+      "Tensor? dt_bias, str algorithm, int chunk_size, Tensor? gk=None, Tensor? gv=None, bool state_v_first=False, "
+      "Tensor? residual=None) -> "
       "(Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor d_initial_state, Tensor dA_log, "
       "Tensor ddt_bias, Tensor dgk, Tensor dgv)");
   // --- layer ops (short convolution, gated RMSNorm, decode) are defined below this line ---

@@ -205,6 +205,28 @@ def test_opcheck_fwd(options):
     torch.library.opcheck(torch.ops.gated_delta.fwd.default, _op_args(False, options))
 
 
+@pytest.mark.parametrize("options", [(False, False, False, False), (True, True, True, True)])
+def test_opcheck_fwd_with_residual(options):
+    """The forward that autograd calls: fwd's outputs, bitwise, and the residual (none on the CPU); bwd takes an
+    empty residual and refuses one with bytes, which only a CUDA forward keeps."""
+    args = _op_args(False, options)
+    torch.library.opcheck(torch.ops.gated_delta.fwd_with_residual.default, _op_args(True, options))
+    torch.library.opcheck(torch.ops.gated_delta.fwd_with_residual.default, args)
+    o, ht, res = torch.ops.gated_delta.fwd_with_residual(*args)
+    o2, ht2 = torch.ops.gated_delta.fwd(*args)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+    assert res.dtype == torch.uint8 and res.shape == (0,)
+    bwd_args = (torch.randn_like(o), None) + args[:7] + args[8:]
+    g1 = torch.ops.gated_delta.bwd(*bwd_args, residual=res)
+    g2 = torch.ops.gated_delta.bwd(*bwd_args)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="residual: the CPU backend keeps none"):
+        torch.ops.gated_delta.bwd(*bwd_args, residual=torch.zeros(16, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="residual must be the contiguous 1-D uint8 tensor"):
+        torch.ops.gated_delta.bwd(*bwd_args, residual=torch.zeros(4, 4, dtype=torch.uint8))
+
+
 def test_opcheck_fwd_varlen():
     q, k, v, g, beta = make_inputs(T=11)
     cu = torch.tensor([0, 3, 3, 11])

@@ -189,18 +189,22 @@ CoreGrads backward_impl(const CoreArgs& args, const at::Tensor& d_o, const at::T
 
 }  // namespace
 
-CoreForward core_forward_cpu(const CoreArgs& args, bool output_final_state) {
+// The CPU backend keeps no residual: its backward recomputes everything (keep_residual is not used).
+CoreForward core_forward_cpu(const CoreArgs& args, bool output_final_state, bool /*keep_residual*/) {
   if (args.state_dtype() == at::kDouble) return forward_impl<double>(args, output_final_state);
   return forward_impl<float>(args, output_final_state);
 }
 
 CoreGrads core_backward_cpu(const CoreArgs& args, const at::Tensor& d_o, const at::Tensor& d_final_state) {
+  TORCH_CHECK(!args.residual.defined(), "residual: the CPU backend keeps none (fwd_with_residual returns an empty "
+              "tensor on the CPU), got ", args.residual.numel(), " bytes");
   if (args.state_dtype() == at::kDouble) return backward_impl<double>(args, d_o, d_final_state);
   return backward_impl<float>(args, d_o, d_final_state);
 }
 
 TORCH_LIBRARY_IMPL(gated_delta, CPU, m) {
   m.impl("fwd", fwd_kernel<fwd_impl<core_forward_cpu>>);
+  m.impl("fwd_with_residual", fwd_residual_kernel<fwd_residual_impl<core_forward_cpu>>);
   m.impl("bwd", bwd_kernel<bwd_impl<core_backward_cpu>>);
 }
 

@@ -75,8 +75,8 @@ struct Layout {
 };
 
 // tiles_per_sm: 64-column state tiles of the state kernels that share an SM (one per CTA, or two per CTA of two
-// warpgroups)
-Layout make_layout(const CoreArgs& a, int tiles_per_sm) {
+// warpgroups). tables = false: the counts only (varlen: no device tables).
+Layout make_layout(const CoreArgs& a, int tiles_per_sm, bool tables = true) {
   Layout L;
   const int64_t T = a.seqlen();
   const int64_t units_per_head = a.head_v() / 64;
@@ -177,6 +177,7 @@ Layout make_layout(const CoreArgs& a, int tiles_per_sm) {
     c0 += nch[n];
   }
   L.num_units = static_cast<int>(units.size() / 3);
+  if (!tables) return L;
   std::vector<int> all;
   all.reserve(tok.size() + len.size() + units.size() + uoff.size());
   all.insert(all.end(), tok.begin(), tok.end());
@@ -192,6 +193,14 @@ Layout make_layout(const CoreArgs& a, int tiles_per_sm) {
   L.unit_tab = base + tok.size() + len.size();
   L.unit_off = base + tok.size() + len.size() + units.size();
   return L;
+}
+
+// 32-column state tiles when 64-column ones would leave most multiprocessors idle in the sequential kernels:
+// doubling the CTAs sped up the backward's state passes, doubling again slowed the reverse pass, so only below
+// half the SM count (benchmarks/RESULTS.md, "CUDA design measurements")
+int tile32_of(const CoreArgs& a, const Layout& L) {
+  const int64_t ctas64 = static_cast<int64_t>(L.num_units) * a.num_v_heads() * (a.head_v() / 64);
+  return 2 * ctas64 <= num_sms(a.q) ? 1 : 0;
 }
 
 Params base_params(const CoreArgs& a, const Layout& L) {
@@ -217,12 +226,8 @@ Params base_params(const CoreArgs& a, const Layout& L) {
   p.seg = L.seg;
   p.segs_per_seq = L.segs_per_seq;
   p.warm_max = L.warm_max;
-  // 32-column state tiles when 64-column ones would leave most multiprocessors idle in the sequential kernels:
-  // doubling the CTAs sped up the backward's state passes, doubling again slowed the reverse pass, so only below
-  // half the SM count (benchmarks/RESULTS.md, "CUDA design measurements")
-  const int64_t ctas64 = static_cast<int64_t>(L.num_units) * p.HV * (p.V / 64);
+  p.tile32 = tile32_of(a, L);
   const int sms = num_sms(a.q);
-  p.tile32 = 2 * ctas64 <= sms ? 1 : 0;
   // The preparation computes K K^T and Q K^T once for the value heads it walks: all G heads of a group per CTA,
   // unless that leaves fewer than two CTAs per SM; then the largest divisor of G that does not
   int heads = p.G;
@@ -312,6 +317,7 @@ class Workspace {
     }
     ~Union() { ws.size_ = std::max(end, ws.size_); }
   };
+  int64_t size() const { return size_; }
   void allocate(const at::TensorOptions& like) { buf_ = at::empty({std::max<int64_t>(size_, 1)}, like.dtype(at::kByte)); }
   template <class T = void> T* ptr(int64_t off) const {
     return off == kNone ? nullptr : reinterpret_cast<T*>(static_cast<unsigned char*>(buf_.data_ptr()) + off);
@@ -336,7 +342,8 @@ struct Regions {
 // Tm diag(beta) (state passes) with dW (chunk-parallel kernels), U (first state pass) with dVn^T (written by the
 // reverse pass), and the scan's scratch (state passes) with dgam1 and dk1 (chunk-parallel kernels). dk1 has a
 // region of its own only when dk itself is not fp32 (grad_f32).
-Regions plan_workspace(Workspace& ws, const Call& c, bool backward, bool dk1_own) {
+// in_residual: A, gam and (backward) Tm live in the residual instead (residual_regions).
+Regions plan_workspace(Workspace& ws, const Call& c, bool backward, bool dk1_own, bool in_residual = false) {
   const int64_t NC = c.L.NC, HV = c.p.HV, K = c.p.K, V = c.p.V, units = c.L.num_units;
   const int64_t es = c.in.q.element_size(), fs = sizeof(float);
   Regions r;
@@ -352,14 +359,16 @@ Regions plan_workspace(Workspace& ws, const Call& c, bool backward, bool dk1_own
     }
   }
   if (form_wu && wu) r.TmB = ws.take(NC * HV * kC * kC * es);
-  r.A = ws.take(NC * HV * kC * kC * es);
-  r.gam = ws.take(NC * HV * kC * fs);
+  if (!in_residual) {
+    r.A = ws.take(NC * HV * kC * kC * es);
+    r.gam = ws.take(NC * HV * kC * fs);
+  }
   if (c.L.warm) {
     r.lnorm = ws.take(NC * HV * fs);
     r.seg_ok = ws.take(units * HV * static_cast<int64_t>(sizeof(int)));
   }
   if (backward) {
-    r.Tm = ws.take(NC * HV * kC * kC * es);
+    if (!in_residual) r.Tm = ws.take(NC * HV * kC * kC * es);
     r.hT = ws.take(NC * HV * V * K * es);
     r.VnT = ws.take(NC * HV * V * kC * es);
     r.dhT = ws.take(NC * HV * V * K * es);
@@ -401,6 +410,44 @@ void bind(Params& p, const Workspace& ws, const Regions& r) {
   p.segstate = ws.ptr<float>(r.segstate);
   p.hT = ws.ptr(r.hT);
   p.VnT = ws.ptr(r.VnT);
+}
+
+// ---- the residual a forward keeps for its backward (fwd_with_residual) ----
+// Each chunk's A, gam and Tm: what the backward's preparation would otherwise recompute (K K^T, Q K^T, M and the
+// inverse). Kept where the backward's state passes form W and U themselves (forms_wu: 16-bit inputs, K <= 128,
+// 64-column tiles) and the scan is not asked for; the backward then forms Tm diag(beta) from Tm
+// (launch_prep_residual) instead of running the preparation. The forward decides it as the backward will (its
+// layout's counts, without device tables); the backward checks the residual's size against its own layout.
+struct ResidualRegions {
+  int64_t A = 0, gam = 0, Tm = 0, bytes = 0;
+};
+
+ResidualRegions residual_regions(const Call& c) {
+  const int64_t NC = c.L.NC, HV = c.p.HV, es = c.in.q.element_size();
+  Workspace w;
+  ResidualRegions r;
+  r.A = w.take(NC * HV * kC * kC * es);
+  r.gam = w.take(NC * HV * kC * static_cast<int64_t>(sizeof(float)));
+  r.Tm = w.take(NC * HV * kC * kC * es);
+  r.bytes = w.size();
+  return r;
+}
+
+// (c: the forward's call, whose layout the backward's is where both count the same tiles per SM; otherwise the
+// backward's counts are made here, which for varlen without cu_seqlens_cpu reads cu_seqlens from the device again)
+bool backward_takes_residual(const CoreArgs& a, const Call& c) {
+  const int K = c.p.K, V = c.p.V;
+  const int tiles = cuda::wg_tiles_per_sm(c.dt, K, V, /*backward=*/true);
+  const bool same = tiles == cuda::wg_tiles_per_sm(c.dt, K, V, /*backward=*/false);
+  const Layout Lb = same ? c.L : make_layout(a, tiles, /*tables=*/false);
+  return !Lb.scan && cuda::forms_wu(c.dt, K, tile32_of(a, Lb), /*backward=*/true);
+}
+
+void bind_residual(Params& p, const at::Tensor& res, const ResidualRegions& r) {
+  unsigned char* b = static_cast<unsigned char*>(res.data_ptr());
+  p.A = b + r.A;
+  p.gam = reinterpret_cast<float*>(b + r.gam);
+  p.Tm = b + r.Tm;
 }
 
 // One sequential pass over the chunks, forward (state_fwd, mode 0: output, 1: states for the backward) or reverse
@@ -492,14 +539,14 @@ at::Tensor cut_last(const at::Tensor& x, int64_t to) { return x.narrow(-1, 0, to
 
 }  // namespace
 
-CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
-  if (a.has_kv_gates()) {  // the token-loop kernels take any K, V up to 256 unpadded
+CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state, bool keep_residual) {
+  if (a.has_kv_gates()) {  // the token-loop kernels take any K, V up to 256 unpadded (no residual)
     c10::cuda::CUDAGuard guard(a.q.device());
     return recurrent_forward_cuda(a, output_final_state);
   }
-  if (needs_padding(a)) {
+  if (needs_padding(a)) {  // (the residual is the padded call's, which the backward pads the same way)
     check_cuda_limits(a);
-    CoreForward r = core_forward_cuda(padded_args(a), output_final_state);
+    CoreForward r = core_forward_cuda(padded_args(a), output_final_state, keep_residual);
     r.o = cut_last(r.o, a.head_v());
     r.final_state = resize_state(r.final_state, a.state_v_first, a.head_k(), a.head_v());
     return r;
@@ -513,7 +560,13 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
   CoreForward out;
   out.o = o;
   out.final_state = ht;
-  if (fused_forward(c)) {  // one kernel, no intermediates in memory (segments: their proofs)
+  ResidualRegions rr;
+  if (keep_residual && backward_takes_residual(a, c)) {
+    rr = residual_regions(c);
+    out.residual = at::empty({rr.bytes}, c.opts.dtype(at::kByte));
+  }
+  if (fused_forward(c)) {  // one kernel, no intermediates in memory (segments: their proofs; the residual)
+    if (out.residual.defined()) bind_residual(c.p, out.residual, rr);
     c.p.init = c.in.h0.defined() ? c.in.h0.data_ptr<float>() : nullptr;
     c.p.init_by_unit = 0;
     c.p.fin = ht.defined() ? ht.data_ptr<float>() : nullptr;
@@ -533,9 +586,10 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
     return out;
   }
   Workspace ws;
-  const Regions r = plan_workspace(ws, c, /*backward=*/false, /*dk1_own=*/false);
+  const Regions r = plan_workspace(ws, c, /*backward=*/false, /*dk1_own=*/false, out.residual.defined());
   ws.allocate(c.opts);
   bind(c.p, ws, r);
+  if (out.residual.defined()) bind_residual(c.p, out.residual, rr);  // (prep writes A, gam and Tm there)
   cuda::launch_prep(c.p, c.dt, c.stream);
   run_state_pass(c, /*reverse=*/false, /*mode=*/0, c.in.h0.defined() ? c.in.h0.data_ptr<float>() : nullptr,
                  ht.defined() ? ht.data_ptr<float>() : nullptr);
@@ -544,6 +598,8 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state) {
 
 CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state) {
   if (a.has_kv_gates()) {
+    TORCH_CHECK(!a.residual.defined(), "residual: a call with gk / gv keeps none (fwd_with_residual returns an "
+                "empty tensor for it), got ", a.residual.numel(), " bytes");
     c10::cuda::CUDAGuard guard(a.q.device());
     return recurrent_backward_cuda(a, d_o, d_final_state);
   }
@@ -567,11 +623,26 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   p.d_o = dO.data_ptr();
   // dq, dk, dv in the input dtype when the op layer allows it; dk's partial sums stay fp32 in dk1
   p.grad_f32 = (a.grads_in_input_dtype && a.q.scalar_type() != at::kFloat) ? 0 : 1;
+  const bool from_residual = a.residual.defined();
+  ResidualRegions rr;
+  if (from_residual) {
+    TORCH_CHECK(!c.L.scan && cuda::forms_wu(c.dt, p.K, p.tile32, /*backward=*/true),
+                "residual: these inputs take none on CUDA (fwd_with_residual returns an empty tensor for them), got ",
+                a.residual.numel(), " bytes");
+    rr = residual_regions(c);
+    TORCH_CHECK(a.residual.numel() == rr.bytes, "residual must be what fwd_with_residual returned for these inputs: "
+                "expected ", rr.bytes, " bytes, got ", a.residual.numel());
+  }
   Workspace ws;
-  const Regions r = plan_workspace(ws, c, /*backward=*/true, /*dk1_own=*/!p.grad_f32);
+  const Regions r = plan_workspace(ws, c, /*backward=*/true, /*dk1_own=*/!p.grad_f32, from_residual);
   ws.allocate(c.opts);
   bind(p, ws, r);
-  cuda::launch_prep(p, c.dt, c.stream);  // (also writes Tm)
+  if (from_residual) {  // A, gam and Tm from the forward; Tm diag(beta) (and the warm-up bounds) from them
+    bind_residual(p, a.residual, rr);
+    cuda::launch_prep_residual(p, c.dt, c.stream);
+  } else {
+    cuda::launch_prep(p, c.dt, c.stream);  // (also writes Tm)
+  }
 
   // states entering each chunk, and Vn
   run_state_pass(c, /*reverse=*/false, /*mode=*/1, c.in.h0.defined() ? c.in.h0.data_ptr<float>() : nullptr,
@@ -613,6 +684,7 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
 
 TORCH_LIBRARY_IMPL(gated_delta, CUDA, m) {
   m.impl("fwd", fwd_kernel<fwd_impl<core_forward_cuda>>);
+  m.impl("fwd_with_residual", fwd_residual_kernel<fwd_residual_impl<core_forward_cuda>>);
   m.impl("bwd", bwd_kernel<bwd_impl<core_backward_cuda>>);
 }
 

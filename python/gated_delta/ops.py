@@ -267,12 +267,22 @@ def _fwd_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     return o, final_state
 
 
+@torch.library.register_fake("gated_delta::fwd_with_residual")
+def _fwd_with_residual_fake(*args, **kwargs):
+    o, final_state = _fwd_fake(*args, **kwargs)
+    q = args[0]
+    # The CPU backend keeps no residual; the CUDA one keeps a number of bytes that depends on the sequence lengths
+    # (cu_seqlens' values) and on the path its kernels take.
+    n = 0 if q.device.type == "cpu" else torch.library.get_ctx().new_dynamic_size()
+    return o, final_state, q.new_empty((n,), dtype=torch.uint8)
+
+
 @torch.library.register_fake("gated_delta::bwd")
 def _bwd_fake(d_o, d_final_state, q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
               use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, use_gate_in_kernel, A_log,
-              dt_bias, algorithm, chunk_size, gk=None, gv=None, state_v_first=False):
+              dt_bias, algorithm, chunk_size, gk=None, gv=None, state_v_first=False, residual=None):
     _check_devices(q, d_o=d_o, d_final_state=d_final_state, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
-                   cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv)
+                   cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv, residual=residual)
     empty = lambda: q.new_empty((0,), dtype=_state_dtype(q))  # noqa: E731
     return (
         q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),

@@ -6,7 +6,9 @@
 // e^gam, e^{gam_L - gam}), K K^T and Q K^T (wgmma, both operands from the K | Q tile), M = strictly-lower(beta_i
 // k_i.k_j e^{gam_i - gam_j}), Tm = (I + M)^-1 (tri_inverse.cuh, merges in tf32), A = lower(Q K^T o E) and
 // Tm diag(beta), the last two straight into the sw128 tiles the state products read. Nothing of it goes through
-// memory, and the products of the inverse run while the state warpgroups run the previous chunk.
+// memory (except, for a forward that keeps a residual for its backward, each chunk's gam, A and Tm, which the
+// backward's prep would otherwise recompute), and the products of the inverse run while the state warpgroups run
+// the previous chunk.
 //
 // Shared memory: three K | Q slots with their chunk's gates (the producer loads chunk c + 1's while it works on
 // chunk c and the state warpgroups read chunk c - 1's), two slots of the per-chunk tiles (A, Tm diag(beta), V),
@@ -53,7 +55,7 @@ struct FusedFwdCfg {
   static constexpr size_t PREP_BYTES = sizeof(float) * (2 * C * kLdF + kInvScratch);  // Mf, Tf, Pf
   // the mbarriers of the copies (3 K | Q slots, 2 V slots) and, from byte 48, the run's bounds (run_sh)
   static constexpr size_t BAR_BYTES = 64;
-  static_assert(5 * sizeof(uint64_t) <= 48 && 48 + 3 * sizeof(int) <= BAR_BYTES, "mbarriers and run bounds");
+  static_assert(5 * sizeof(uint64_t) <= 48 && 48 + 4 * sizeof(int) <= BAR_BYTES, "mbarriers and run bounds");
   static constexpr size_t bytes =
       3 * KQ_BYTES + 2 * SLOT_BYTES + 3 * GATE_BYTES + OS_BYTES + PREP_BYTES + BAR_BYTES + 1024;
   static_assert(bytes <= 227 * 1024, "shared memory of one CTA");
@@ -179,6 +181,7 @@ __global__ void __launch_bounds__(384, 1)
     run_sh[0] = run.rb;
     run_sh[1] = run.re - run.rb;
     run_sh[2] = un.n;
+    run_sh[3] = run.ob - run.rb;  // the run's first chunk of its own (after the warm-up's)
   }
   __syncthreads();
   const int n_it = run.re - run.rb;
@@ -191,7 +194,11 @@ __global__ void __launch_bounds__(384, 1)
     // ---------------- producer ----------------
     setmaxnreg_dec<kRegsProducer>();
     const int pt = tid - 256, pw = warp - 8;
-    const int rb = run_sh[0], n_chunks = run_sh[1], seq = run_sh[2];
+    const int rb = run_sh[0], n_chunks = run_sh[1], seq = run_sh[2], own0 = run_sh[3];
+    // The residual for the backward (p.A, p.gam, p.Tm set: fwd_with_residual): each chunk of the run's own (not
+    // the warm-up's) stores its gam, A and Tm as prep does, by the CTA of the first 128 value columns.
+    const bool residual = p.A != nullptr && blockIdx.y == 0;
+    auto keeps = [&](int it) { return residual && it >= own0; };
     // Full chunks arrive by TMA (one thread issues the boxes, the slot's mbarrier counts their bytes); a sequence's
     // last, partial chunk by cp.async with its rows past the end zero-filled (a box would read the next
     // sequence's). Bit s of kq_ph / v_ph: the parity of the slot's next phase. Each chunk's bounds are read once.
@@ -263,6 +270,8 @@ __global__ void __launch_bounds__(384, 1)
       *reinterpret_cast<float2*>(gt + 2 * C + i0) = make_float2(exp2_approx(yl - y0), exp2_approx(yl - y1));
       *reinterpret_cast<float2*>(gt + 3 * C + i0) =
           make_float2(bits_as_float(rb0, p.beta_dtype), bits_as_float(rb1, p.beta_dtype));
+      if (keeps(it))
+        *reinterpret_cast<float2*>(p.gam + (static_cast<int64_t>(rb + it) * p.HV + hv) * C + i0) = make_float2(n0, n1);
     };
     ChunkInfo ci_c{};  // this chunk's bounds
     if (n_chunks > 0) {
@@ -417,6 +426,21 @@ __global__ void __launch_bounds__(384, 1)
           for (int e = 0; e < 4; ++e)
             Pack<St>::put(y, y, e, bj[2 * e] * t[s][2 * e], bj[2 * e + 1] * t[s][2 * e + 1]);
           *reinterpret_cast<uint4*>(Ts + sw128_off(r0 + 16 * s, j)) = make_uint4(y[0], y[1], y[2], y[3]);
+        }
+        if (keeps(it)) {  // Tm as it is, and A from its finished tile: 16 bytes per thread and row
+          const int64_t chv = static_cast<int64_t>(rb + it) * p.HV + hv;
+          St* tg = static_cast<St*>(p.Tm) + (chv * C + r0) * C + j;
+          St* ag = static_cast<St*>(p.A) + (chv * C + r0) * C + j;
+          const unsigned char* As = sl + F::A_OFF;
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            uint32_t y[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) Pack<St>::put(y, y, e, t[s][2 * e], t[s][2 * e + 1]);
+            *reinterpret_cast<uint4*>(tg + 16 * s * C) = make_uint4(y[0], y[1], y[2], y[3]);
+            *reinterpret_cast<uint4*>(ag + 16 * s * C) =
+                *reinterpret_cast<const uint4*>(As + sw128_off(r0 + 16 * s, j));
+          }
         }
       }
       cp_async_wait<1>();  // this chunk's V tile

@@ -61,8 +61,10 @@ struct Params {
   // intermediates
   void* W;
   void* U;
+  // A, gam and Tm: written by the preparation; the one-kernel forward writes them only where they are set (a
+  // forward keeping its residual for the backward, which then reads them instead of running prep)
   void* A;
-  void* Tm;               // [NC, HV, C, C] (I + M)^-1, written by the preparation when non-null (backward)
+  void* Tm;               // [NC, HV, C, C] (I + M)^-1, written by the preparation when non-null (backward, residual)
   void* TmB;              // [NC, HV, C, C] Tm diag(beta), written by the preparation when non-null: the state
                           // passes that form W and U themselves read it (forms_wu)
   float* gam;
@@ -130,6 +132,9 @@ inline bool fwd_fused_applies(DType dtype, int K, int V, int tile32, bool scan) 
 
 // Launchers (one per kernel family), defined in the .cu files; the storage type St is selected by dtype.
 void launch_prep(const Params& p, DType dtype, void* stream);
+// the backward's preparation from a forward's residual (16-bit inputs): reads Tm, gam, beta (and k for lnorm);
+// writes TmB (and lnorm where set)
+void launch_prep_residual(const Params& p, DType dtype, void* stream);
 // the one-kernel forward (fwd_fused_applies): reads q, k, v, g, beta, init; writes o, fin
 // (and with warm = 1, seg_ok)
 void launch_fwd_fused(const Params& p, DType dtype, void* stream);

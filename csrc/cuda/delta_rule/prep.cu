@@ -333,6 +333,73 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// The backward's preparation where the forward kept its residual (fwd_with_residual: each chunk's gam, A and Tm,
+// which p.gam, p.A and p.Tm point into): one CTA of 4 warps per (chunk, value head) writes Tm diag(beta) from the
+// stored Tm and, when p.lnorm is set, the chunk's warm-up bound as prep does (|k_t|^2 here summed in order per row).
+template <class St, int K>
+__global__ void __launch_bounds__(128) prep_residual_kernel(const Params p) {
+  constexpr int E = 16 / sizeof(St);  // elements per 16 bytes
+  const int hv = blockIdx.x % p.HV, c = blockIdx.x / p.HV, h = hv / p.G;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const ChunkInfo ci = chunk_info(p, c);
+  const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
+  // eight columns (16 bytes) per thread, in rows 16 apart; beta of the columns past the chunk is 0, as in prep
+  const int r0 = tid >> 3, j = 8 * (tid & 7);
+  float bj[8];
+#pragma unroll
+  for (int u = 0; u < 8; ++u)
+    bj[u] = j + u < ci.len ? load_as_float(p.beta, p.beta_dtype, (ci.bos + j + u) * p.HV + hv) : 0.f;
+  const St* tm = static_cast<const St*>(p.Tm) + (chv * C + r0) * C + j;
+  St* tb = static_cast<St*>(p.TmB) + (chv * C + r0) * C + j;
+#pragma unroll
+  for (int s = 0; s < C / 16; ++s) {
+    const uint4 w = *reinterpret_cast<const uint4*>(tm + 16 * s * C);
+    uint32_t y[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 t = unpack2<St>((&w.x)[e]);
+      Pack<St>::put(y, y, e, bj[2 * e] * t.x, bj[2 * e + 1] * t.y);
+    }
+    *reinterpret_cast<uint4*>(tb + 16 * s * C) = make_uint4(y[0], y[1], y[2], y[3]);
+  }
+  if (p.lnorm != nullptr && warp == 0) {  // lane l: rows 2l and 2l + 1
+    float pen = 0.f;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int row = 2 * lane + t;
+      if (row >= ci.len) continue;
+      const uint4* kr = reinterpret_cast<const uint4*>(static_cast<const St*>(p.k) + ((ci.bos + row) * p.H + h) * K);
+      float kn = 0.f;
+#pragma unroll 4
+      for (int v = 0; v < K / E; ++v) {
+        const uint4 x = kr[v];
+#pragma unroll
+        for (int e = 0; e < E / 2; ++e) {
+          const float2 f = unpack2<St>((&x.x)[e]);
+          kn = fmaf(f.x, f.x, kn);
+          kn = fmaf(f.y, f.y, kn);
+        }
+      }
+      add_log_stretch(pen, load_as_float(p.beta, p.beta_dtype, (ci.bos + row) * p.HV + hv) * kn);
+    }
+    pen = warp_sum(pen);
+    if (lane == 0) p.lnorm[chv] = p.gam[chv * C + C - 1] + pen;
+  }
+}
+
+void launch_prep_residual(const Params& p, DType dtype, void* stream) {
+  if (p.NC == 0) return;
+  GD_DTYPE_SWITCH(dtype, St, [&] {
+    if constexpr (sizeof(St) == 2) {  // (a residual is kept for 16-bit inputs only: forms_wu)
+      GD_HEADK_SWITCH(p.K, KC, [&] {
+        prep_residual_kernel<St, KC><<<dim3(p.NC * p.HV), 128, 0, static_cast<cudaStream_t>(stream)>>>(p);
+        GD_CUDA_LAUNCH_CHECK();
+      });
+    }
+  });
+}
+
 void launch_prep(const Params& p, DType dtype, void* stream) {
   if (p.NC == 0) return;
   GD_DTYPE_SWITCH(dtype, St, [&] {
