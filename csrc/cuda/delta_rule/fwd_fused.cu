@@ -73,39 +73,6 @@ constexpr int kBarPrep = 6;   // the producer warpgroup
 constexpr int kRegsState = 192, kRegsProducer = 120;
 static_assert(2 * 128 * kRegsState + 128 * kRegsProducer <= 168 * 384, "more registers than the CTA holds");
 
-// The bound of chunk c's transition norm for value head hv that the segments' warm-up walks (warmup.cuh), as the
-// preparation writes it on the two-kernel path: lnorm = sum_t (g_t + log max(1, |1 - m_t| + 2^-15 |m_t|)),
-// m_t = beta_t |k_t|^2 in fp32. One warp: lane l on rows 2l and 2l + 1, the lanes' sums then added over the warp.
-template <class St>
-__device__ __forceinline__ float chunk_lnorm(const Params& p, int c, int h, int hv) {
-  constexpr int K = 128, E = 16 / sizeof(St);
-  const int lane = threadIdx.x & 31;
-  const ChunkInfo ci = chunk_info(p, c);
-  float s = 0.f;
-#pragma unroll
-  for (int t = 0; t < 2; ++t) {
-    const int row = 2 * lane + t;
-    if (row >= ci.len) continue;
-    const uint4* kr = reinterpret_cast<const uint4*>(static_cast<const St*>(p.k) + ((ci.bos + row) * p.H + h) * K);
-    float kn = 0.f;
-#pragma unroll 4
-    for (int v = 0; v < K / E; ++v) {
-      const uint4 x = kr[v];
-#pragma unroll
-      for (int e = 0; e < E / 2; ++e) {
-        const float2 f = unpack2<St>((&x.x)[e]);
-        kn = fmaf(f.x, f.x, kn);
-        kn = fmaf(f.y, f.y, kn);
-      }
-    }
-    const int64_t i = (ci.bos + row) * p.HV + hv;
-    const float m = load_as_float(p.beta, p.beta_dtype, i) * kn;
-    s += p.g[i];
-    add_log_stretch(s, m);
-  }
-  return warp_sum(s);
-}
-
 // warmup.cuh's forward walk (warm_walk) for this kernel, which forms the bounds it reads instead of reading lnorm
 // from memory: the CTA's 12 warps form those of 12 chunks at a time (edge - 1, edge - 2, ...: warp w the w-th), and
 // every thread adds them in that order until the sum proves a start from zero (<= kWarmLogBound). Only the chunks
@@ -126,7 +93,7 @@ __device__ __forceinline__ int fused_warm_walk(const Params& p, int h, int hv, i
   float sum = 0.f;
   for (int j0 = 0; j0 < lim; j0 += W) {
     if (j0 + warp < lim) {
-      const float x = chunk_lnorm<St>(p, edge - 1 - j0 - warp, h, hv);
+      const float x = chunk_lnorm<St, 128>(p, edge - 1 - j0 - warp, h, hv);
       if (lane == 0) scratch[warp] = x;
     }
     __syncthreads();

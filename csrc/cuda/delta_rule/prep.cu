@@ -336,10 +336,9 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
 // ---------------------------------------------------------------------------------------------------------------
 // The backward's preparation where the forward kept its residual (fwd_with_residual: each chunk's gam, A and Tm,
 // which p.gam, p.A and p.Tm point into): one CTA of 4 warps per (chunk, value head) writes Tm diag(beta) from the
-// stored Tm and, when p.lnorm is set, the chunk's warm-up bound as prep does (|k_t|^2 here summed in order per row).
+// stored Tm and, when p.lnorm is set, the chunk's warm-up bound (chunk_lnorm, as the one-kernel forward forms it).
 template <class St, int K>
 __global__ void __launch_bounds__(128) prep_residual_kernel(const Params p) {
-  constexpr int E = 16 / sizeof(St);  // elements per 16 bytes
   const int hv = blockIdx.x % p.HV, c = blockIdx.x / p.HV, h = hv / p.G;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const ChunkInfo ci = chunk_info(p, c);
@@ -363,28 +362,9 @@ __global__ void __launch_bounds__(128) prep_residual_kernel(const Params p) {
     }
     *reinterpret_cast<uint4*>(tb + 16 * s * C) = make_uint4(y[0], y[1], y[2], y[3]);
   }
-  if (p.lnorm != nullptr && warp == 0) {  // lane l: rows 2l and 2l + 1
-    float pen = 0.f;
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int row = 2 * lane + t;
-      if (row >= ci.len) continue;
-      const uint4* kr = reinterpret_cast<const uint4*>(static_cast<const St*>(p.k) + ((ci.bos + row) * p.H + h) * K);
-      float kn = 0.f;
-#pragma unroll 4
-      for (int v = 0; v < K / E; ++v) {
-        const uint4 x = kr[v];
-#pragma unroll
-        for (int e = 0; e < E / 2; ++e) {
-          const float2 f = unpack2<St>((&x.x)[e]);
-          kn = fmaf(f.x, f.x, kn);
-          kn = fmaf(f.y, f.y, kn);
-        }
-      }
-      add_log_stretch(pen, load_as_float(p.beta, p.beta_dtype, (ci.bos + row) * p.HV + hv) * kn);
-    }
-    pen = warp_sum(pen);
-    if (lane == 0) p.lnorm[chv] = p.gam[chv * C + C - 1] + pen;
+  if (p.lnorm != nullptr && warp == 0) {
+    const float x = chunk_lnorm<St, K>(p, c, h, hv);
+    if (lane == 0) p.lnorm[chv] = x;
   }
 }
 

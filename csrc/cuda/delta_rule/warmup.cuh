@@ -45,6 +45,40 @@ __device__ __forceinline__ void add_log_stretch(float& s, float m) {
   if (nb > 1.f) s += logf(nb);
 }
 
+// The bound of chunk c's transition norm for value head hv that the segments' warm-up walks, where it is formed
+// rather than read from prep's lnorm (the one-kernel forward; the backward's prep_residual):
+// lnorm = sum_t (g_t + log max(1, |1 - m_t| + 2^-15 |m_t|)), m_t = beta_t |k_t|^2 in fp32. One warp: lane l on rows
+// 2l and 2l + 1, the lanes' sums then added over the warp.
+template <class St, int K>
+__device__ __forceinline__ float chunk_lnorm(const Params& p, int c, int h, int hv) {
+  constexpr int E = 16 / sizeof(St);
+  const int lane = threadIdx.x & 31;
+  const ChunkInfo ci = chunk_info(p, c);
+  float s = 0.f;
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const int row = 2 * lane + t;
+    if (row >= ci.len) continue;
+    const uint4* kr = reinterpret_cast<const uint4*>(static_cast<const St*>(p.k) + ((ci.bos + row) * p.H + h) * K);
+    float kn = 0.f;
+#pragma unroll 4
+    for (int v = 0; v < K / E; ++v) {
+      const uint4 x = kr[v];
+#pragma unroll
+      for (int e = 0; e < E / 2; ++e) {
+        const float2 f = unpack2<St>((&x.x)[e]);
+        kn = fmaf(f.x, f.x, kn);
+        kn = fmaf(f.y, f.y, kn);
+      }
+    }
+    const int64_t i = (ci.bos + row) * p.HV + hv;
+    const float m = load_as_float(p.beta, p.beta_dtype, i) * kn;
+    s += p.g[i];
+    add_log_stretch(s, m);
+  }
+  return warp_sum(s);
+}
+
 // The end of a walk that proved no warm-up within its min(avail, p.warm_max) chunks: when those were all the
 // chunks up to the sequence's edge `bound`, the pass starts there from the true state (state 1), otherwise the
 // segment is left to the exact fallback (state -1).
