@@ -563,6 +563,8 @@ void launch_fwd_fused(const Params& p, DType dtype, void* stream) {
               "gated_delta CUDA: the one-kernel forward takes 16-bit inputs with K = 128, V a multiple of 128 and "
               "the state pass in 64-column tiles");
   TORCH_CHECK(p.warm == 0 || p.seg_ok != nullptr, "gated_delta CUDA: the one-kernel forward's segments need seg_ok");
+  TORCH_CHECK((p.A == nullptr) == (p.gam == nullptr) && (p.A == nullptr) == (p.Tm == nullptr),
+              "gated_delta CUDA: the one-kernel forward stores A, gam and Tm together or none of them");
   auto go = [&](auto st) {
     using St = decltype(st);
     using F = FusedFwdCfg<St>;
