@@ -176,7 +176,8 @@ def _sanitize_main(small=False):
 def _sanitize_fused():
     """The one-kernel forward (GATED_DELTA_FUSED_FWD=1; 16-bit, K = V = 128, 256 tiles of 64 columns): 4 x 65 tokens
     with 32 value heads in groups of two, and a varlen batch of lengths 0, 1, 63, 400 with 64 value heads; a backward
-    after the first; segments with a proven warm-up and the exact fallback."""
+    after the first; segments with a proven warm-up and the exact fallback, and their backward (both backwards from
+    the residual the forward kept)."""
     for (B, T, H, HV, cu) in ((4, 65, 16, 32, None), (1, 464, 16, 64, [0, 0, 1, 64, 464])):
         inp = make_inputs(B, T, H, HV, 128, 128, torch.bfloat16, cu_seqlens=cu)
         N = B if cu is None else len(cu) - 1
@@ -185,10 +186,13 @@ def _sanitize_fused():
         r = run_ours(inp, d_o, d_ht, grads=cu is None)
         torch.cuda.synchronize()
         print("fused", B, T, HV, "ok", all(torch.isfinite(x).all().item() for x in r.values()))
-    # segments (algorithm="auto"): 18 chunks, 16 value heads, the first without decay (the exact fallback)
+    # segments (algorithm="auto"): 18 chunks, 16 value heads, the first without decay (the exact fallback); the
+    # backward reads the residual the forward kept (its own segments' warm-up bounds from prep_residual)
     inp = make_inputs(1, 1100, 4, 16, 128, 128, torch.bfloat16)
     inp["g"][..., 0] = 0.0
-    r = run_ours(inp, algorithm="auto", grads=False)
+    d_o = torch.randn(1, 1100, 16, 128, device="cuda").to(torch.bfloat16)
+    d_ht = torch.randn(1, 16, 128, 128, device="cuda")
+    r = run_ours(inp, d_o, d_ht, algorithm="auto")
     torch.cuda.synchronize()
     print("fused segments ok", all(torch.isfinite(x).all().item() for x in r.values()))
 
