@@ -2,9 +2,9 @@
 // forward redispatches below autograd to the registered forward op, the backward calls the registered backward
 // op, so eager PyTorch, torch.compile and LibTorch callers all differentiate through real ops. Each saves its
 // inputs, and the gated delta rule also the residual its backend's forward keeps for the backward
-// (fwd_with_residual: on CUDA the chunks' preparation; no per-token state is ever kept). A call that records no
-// graph (grad mode off, or no input requiring grad) and carries no forward-mode tangent goes straight to the op
-// below autograd.
+// (fwd_with_residual: on CUDA the chunks' preparation; no per-token state is ever kept; none in a traced call). A
+// call that records no graph (grad mode off, or no input requiring grad) and carries no forward-mode tangent goes
+// straight to the op below autograd.
 // short_conv_update and decode_step mutate a cache and are inference-only (no autograd kernel).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -36,6 +36,11 @@ bool has_tangent(const OptTensor& t) { return t.has_value() && has_tangent(*t); 
 template <class... T>
 bool records_graph(const T&... inputs) {
   return (at::GradMode::is_enabled() && (requires_grad(inputs) || ...)) || (has_tangent(inputs) || ...);
+}
+
+// A tensor of a traced call (torch.compile's fake or functional tensors, or a Python tensor subclass).
+bool traced(const at::Tensor& t) {
+  return t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
 }
 
 // ---- the gated delta rule ----
@@ -121,7 +126,12 @@ class DeltaRuleFunction : public torch::autograd::Function<DeltaRuleFunction> {
     DeltaRuleArgs args;
     detail::assign_fields(args.fwd_fields(), a...);
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [o, ht, residual] = call_fwd_with_residual(args);
+    // A traced call keeps no residual: its size depends on cu_seqlens' values and on the backend's path, an
+    // unbacked size that fwd, whose outputs do not include it, could not bind. Its backward prepares the chunks
+    // itself, as a call of bwd without a residual does.
+    at::Tensor o, ht, residual;
+    if (traced(args.q)) std::tie(o, ht) = call_fwd(args);
+    else std::tie(o, ht, residual) = call_fwd_with_residual(args);
     save_args(ctx, args, residual);
     ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined (no zeros allocated)
     if (!args.output_final_state) ctx->mark_non_differentiable({ht});

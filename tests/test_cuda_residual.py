@@ -129,9 +129,10 @@ def test_residual_only_where_the_backward_takes_it():
         torch.ops.gated_delta.bwd(torch.ones_like(o), None, *args[:6], args[6], *args[8:], residual=res[:-256])
 
 
-def test_torch_compile_keeps_the_residual():
-    """Under torch.compile (fullgraph) the forward's residual, whose size the fake kernel leaves symbolic, reaches
-    the backward: the gradients match eager ones."""
+def test_torch_compile_gradients_without_the_residual():
+    """Under torch.compile (fullgraph) the traced forward keeps no residual (its size would be an unbacked symbol
+    that fwd's outputs cannot bind) and the compiled backward prepares the chunks itself: its gradients differ from
+    the eager ones, which came through the residual, by the roundings of A, Tm and Tm diag(beta) only."""
     from gated_delta import gated_delta_rule
 
     torch._dynamo.reset()
@@ -147,5 +148,5 @@ def test_torch_compile_keeps_the_residual():
 
     eager = grads(loss_fn)
     compiled = grads(torch.compile(loss_fn, fullgraph=True))
-    for a, b in zip(eager, compiled):
-        torch.testing.assert_close(a, b)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), eager, compiled):
+        assert rel_err(b, a) <= TOL[torch.bfloat16][1] / 2, name
