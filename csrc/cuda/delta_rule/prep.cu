@@ -334,13 +334,51 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// chunk_lnorm formed by the 128 threads of a CTA (prep_residual_kernel below, one chunk per CTA): thread t sums
+// the squares of half of row t / 2 of k, the pair adds its halves (|k_t|^2 keeps its rounding bound: a sum of
+// non-negative fp32 terms in any order), the warps' sums meet in red (4 floats of shared memory). Every thread of
+// the CTA calls it and gets the bound.
+template <class St, int K>
+__device__ __forceinline__ float chunk_lnorm_cta(const Params& p, int c, int h, int hv, float* red) {
+  constexpr int E = 16 / sizeof(St), NV = K / E / 2;  // 16-byte loads per half row
+  static_assert(NV >= 1, "a half row is at least one 16-byte load");
+  const int tid = threadIdx.x, row = tid >> 1;
+  const ChunkInfo ci = chunk_info(p, c);
+  float kn = 0.f;
+  if (row < ci.len) {
+    const uint4* kr = reinterpret_cast<const uint4*>(static_cast<const St*>(p.k) + ((ci.bos + row) * p.H + h) * K) +
+                      (tid & 1) * NV;
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      const uint4 x = kr[v];
+#pragma unroll
+      for (int e = 0; e < E / 2; ++e) {
+        const float2 f = unpack2<St>((&x.x)[e]);
+        kn = fmaf(f.x, f.x, kn);
+        kn = fmaf(f.y, f.y, kn);
+      }
+    }
+  }
+  kn += __shfl_xor_sync(0xffffffffu, kn, 1);
+  float s = 0.f;
+  if ((tid & 1) == 0 && row < ci.len) {
+    const int64_t i = (ci.bos + row) * p.HV + hv;
+    s = p.g[i];
+    add_log_stretch(s, load_as_float(p.beta, p.beta_dtype, i) * kn);
+  }
+  s = warp_sum(s);
+  if ((tid & 31) == 0) red[tid >> 5] = s;
+  __syncthreads();
+  return (red[0] + red[1]) + (red[2] + red[3]);
+}
+
 // The backward's preparation where the forward kept its residual (fwd_with_residual: each chunk's gam, A and Tm,
 // which p.gam, p.A and p.Tm point into): one CTA of 4 warps per (chunk, value head) writes Tm diag(beta) from the
-// stored Tm and, when p.lnorm is set, the chunk's warm-up bound (chunk_lnorm, as the one-kernel forward forms it).
+// stored Tm and, when p.lnorm is set, the chunk's warm-up bound (chunk_lnorm_cta: all four warps read the keys).
 template <class St, int K>
 __global__ void __launch_bounds__(128) prep_residual_kernel(const Params p) {
   const int hv = blockIdx.x % p.HV, c = blockIdx.x / p.HV, h = hv / p.G;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tid = threadIdx.x;
   const ChunkInfo ci = chunk_info(p, c);
   const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
   // eight columns (16 bytes) per thread, in rows 16 apart; beta of the columns past the chunk is 0, as in prep
@@ -362,9 +400,10 @@ __global__ void __launch_bounds__(128) prep_residual_kernel(const Params p) {
     }
     *reinterpret_cast<uint4*>(tb + 16 * s * C) = make_uint4(y[0], y[1], y[2], y[3]);
   }
-  if (p.lnorm != nullptr && warp == 0) {
-    const float x = chunk_lnorm<St, K>(p, c, h, hv);
-    if (lane == 0) p.lnorm[chv] = x;
+  if (p.lnorm != nullptr) {  // (the same for the whole CTA: all its threads form the bound)
+    __shared__ float red[4];
+    const float x = chunk_lnorm_cta<St, K>(p, c, h, hv, red);
+    if (tid == 0) p.lnorm[chv] = x;
   }
 }
 

@@ -46,7 +46,7 @@ __device__ __forceinline__ void add_log_stretch(float& s, float m) {
 }
 
 // The bound of chunk c's transition norm for value head hv that the segments' warm-up walks, where it is formed
-// rather than read from prep's lnorm (the one-kernel forward; the backward's prep_residual):
+// rather than read from prep's lnorm (the one-kernel forward, by one warp per chunk):
 // lnorm = sum_t (g_t + log max(1, |1 - m_t| + 2^-15 |m_t|)), m_t = beta_t |k_t|^2 in fp32. One warp: lane l on rows
 // 2l and 2l + 1, the lanes' sums then added over the warp.
 template <class St, int K>
