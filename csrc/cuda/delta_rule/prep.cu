@@ -346,18 +346,8 @@ __device__ __forceinline__ float chunk_lnorm_cta(const Params& p, int c, int h, 
   const ChunkInfo ci = chunk_info(p, c);
   float kn = 0.f;
   if (row < ci.len) {
-    const uint4* kr = reinterpret_cast<const uint4*>(static_cast<const St*>(p.k) + ((ci.bos + row) * p.H + h) * K) +
-                      (tid & 1) * NV;
-#pragma unroll
-    for (int v = 0; v < NV; ++v) {
-      const uint4 x = kr[v];
-#pragma unroll
-      for (int e = 0; e < E / 2; ++e) {
-        const float2 f = unpack2<St>((&x.x)[e]);
-        kn = fmaf(f.x, f.x, kn);
-        kn = fmaf(f.y, f.y, kn);
-      }
-    }
+    const uint4* kr = reinterpret_cast<const uint4*>(static_cast<const St*>(p.k) + ((ci.bos + row) * p.H + h) * K);
+    kn = sq_norm16<St, NV, NV>(kr + (tid & 1) * NV);
   }
   kn += __shfl_xor_sync(0xffffffffu, kn, 1);
   float s = 0.f;

@@ -45,6 +45,24 @@ __device__ __forceinline__ void add_log_stretch(float& s, float m) {
   if (nb > 1.f) s += logf(nb);
 }
 
+// |x|^2 in fp32 of N 16-byte loads of St values (a key row, or part of one), the loop unrolled U times.
+template <class St, int N, int U>
+__device__ __forceinline__ float sq_norm16(const uint4* x) {
+  constexpr int E = 16 / sizeof(St);
+  float kn = 0.f;
+#pragma unroll U
+  for (int v = 0; v < N; ++v) {
+    const uint4 w = x[v];
+#pragma unroll
+    for (int e = 0; e < E / 2; ++e) {
+      const float2 f = unpack2<St>((&w.x)[e]);
+      kn = fmaf(f.x, f.x, kn);
+      kn = fmaf(f.y, f.y, kn);
+    }
+  }
+  return kn;
+}
+
 // The bound of chunk c's transition norm for value head hv that the segments' warm-up walks, where it is formed
 // rather than read from prep's lnorm (the one-kernel forward, by one warp per chunk):
 // lnorm = sum_t (g_t + log max(1, |1 - m_t| + 2^-15 |m_t|)), m_t = beta_t |k_t|^2 in fp32. One warp: lane l on rows
@@ -60,17 +78,7 @@ __device__ __forceinline__ float chunk_lnorm(const Params& p, int c, int h, int 
     const int row = 2 * lane + t;
     if (row >= ci.len) continue;
     const uint4* kr = reinterpret_cast<const uint4*>(static_cast<const St*>(p.k) + ((ci.bos + row) * p.H + h) * K);
-    float kn = 0.f;
-#pragma unroll 4
-    for (int v = 0; v < K / E; ++v) {
-      const uint4 x = kr[v];
-#pragma unroll
-      for (int e = 0; e < E / 2; ++e) {
-        const float2 f = unpack2<St>((&x.x)[e]);
-        kn = fmaf(f.x, f.x, kn);
-        kn = fmaf(f.y, f.y, kn);
-      }
-    }
+    const float kn = sq_norm16<St, K / E, 4>(kr);
     const int64_t i = (ci.bos + row) * p.HV + hv;
     const float m = load_as_float(p.beta, p.beta_dtype, i) * kn;
     s += p.g[i];
