@@ -58,6 +58,17 @@ def make_inputs(B, T, H, HV, K, V, dtype, device="cuda", h0=True, cu_seqlens=Non
     return out
 
 
+def output_grads(inp, N, seed=3):
+    """Random gradients of the outputs for a backward of `inp`: d_o [B, T, HV, V] in v's dtype and d_ht
+    [N, HV, K, V] in fp32, on v's device (drawn on the CPU, so a seed gives the same values on every device)."""
+    B, T, HV, V = inp["v"].shape
+    K = inp["k"].shape[-1]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    d_o = torch.randn(B, T, HV, V, generator=gen).to(inp["v"].device, inp["v"].dtype)
+    d_ht = torch.randn(N, HV, K, V, generator=gen).to(inp["v"].device)
+    return d_o, d_ht
+
+
 DIFFERENTIABLE = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_helpers import TOL, make_inputs, reference, rel_err  # noqa: E402
+from gpu_helpers import TOL, make_inputs, output_grads, reference, rel_err  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -57,9 +57,7 @@ def _case(shape, dtype):
         B, T, H, HV, K, V, cu = shape
         inp = make_inputs(B, T, H, HV, K, V, dtype, cu_seqlens=cu, seed=len(_REF_CACHE))
         N = B if cu is None else len(cu) - 1
-        gen = torch.Generator(device="cpu").manual_seed(3)
-        d_o = torch.randn(B, T, HV, V, generator=gen).to("cuda", dtype)
-        d_ht = torch.randn(N, HV, K, V, generator=gen).to("cuda")
+        d_o, d_ht = output_grads(inp, N)
         _REF_CACHE[key] = (inp, d_o, d_ht, reference(inp, d_o, d_ht))
     return _REF_CACHE[key]
 

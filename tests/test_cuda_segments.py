@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_helpers import TOL, check_graph_replay, make_inputs, reference, rel_err, run_ours  # noqa: E402
+from gpu_helpers import (TOL, check_graph_replay, make_inputs, output_grads, reference, rel_err,  # noqa: E402
+                         run_ours)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -93,9 +94,7 @@ def _case(name, dtype):
         if tf is not None:
             inp = tf(inp)
         N = B if cu is None else len(cu) - 1
-        gen = torch.Generator(device="cpu").manual_seed(3)
-        d_o = torch.randn(B, T, HV, V, generator=gen).to("cuda", dtype)
-        d_ht = torch.randn(N, HV, K, V, generator=gen).to("cuda")
+        d_o, d_ht = output_grads(inp, N)
         _REF[key] = (inp, d_o, d_ht, reference(inp, d_o, d_ht))
     return _REF[key]
 
@@ -183,9 +182,7 @@ def test_segment_slots_forward_and_backward(V):
     HV = sms * 64 // V  # sms tiles per sequence
     H = HV // 2 if HV % 2 == 0 else HV
     inp = make_inputs(1, 1100, H, HV, 128, V, torch.bfloat16, seed=5)
-    gen = torch.Generator(device="cpu").manual_seed(3)
-    d_o = torch.randn(1, 1100, HV, V, generator=gen).to("cuda", torch.bfloat16)
-    d_ht = torch.randn(1, HV, 128, V, generator=gen).to("cuda")
+    d_o, d_ht = output_grads(inp, 1)
     out, counts = _profiled(lambda: run_ours(inp, d_o, d_ht, algorithm="auto"))
     if V == 64:  # forward: segments + fallback; backward: one state_fwd (states of every chunk), one state_rev
         want = {"fwd_fused_kernel": 0, "state_fwd_kernel": 3, "state_rev_kernel": 1, "combine_kernel": 0}
