@@ -2,15 +2,16 @@
 // forward redispatches below autograd to the registered forward op, the backward calls the registered backward
 // op, so eager PyTorch, torch.compile and LibTorch callers all differentiate through real ops. Each saves its
 // inputs, and the gated delta rule also the residual its backend's forward keeps for the backward
-// (fwd_with_residual: on CUDA the chunks' preparation; no per-token state is ever kept; none in a traced call). A
-// call that records no graph (grad mode off, or no input requiring grad) and carries no forward-mode tangent goes
-// straight to the op below autograd.
+// (fwd_with_residual: on CUDA the chunks' preparation; no per-token state is ever kept; none in a traced call or
+// with GATED_DELTA_BACKWARD_RESIDUAL=0). A call that records no graph (grad mode off, or no input requiring grad)
+// and carries no forward-mode tangent goes straight to the op below autograd.
 // short_conv_update and decode_step mutate a cache and are inference-only (no autograd kernel).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <array>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 
@@ -41,6 +42,14 @@ bool records_graph(const T&... inputs) {
 // A tensor of a traced call (torch.compile's fake or functional tensors, or a Python tensor subclass).
 bool traced(const at::Tensor& t) {
   return t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
+}
+
+// Whether a forward that records a graph asks its backend for the residual: yes, unless
+// GATED_DELTA_BACKWARD_RESIDUAL=0 in the environment, which gives the backward's time back for the memory a model
+// holds from each layer's forward to its backward (read per call, a scan of the environment).
+bool keep_residual() {
+  const char* e = std::getenv("GATED_DELTA_BACKWARD_RESIDUAL");
+  return e == nullptr || std::string(e) != "0";
 }
 
 // ---- the gated delta rule ----
@@ -130,7 +139,7 @@ class DeltaRuleFunction : public torch::autograd::Function<DeltaRuleFunction> {
     // unbacked size that fwd, whose outputs do not include it, could not bind. Its backward prepares the chunks
     // itself, as a call of bwd without a residual does.
     at::Tensor o, ht, residual;
-    if (traced(args.q)) std::tie(o, ht) = call_fwd(args);
+    if (traced(args.q) || !keep_residual()) std::tie(o, ht) = call_fwd(args);
     else std::tie(o, ht, residual) = call_fwd_with_residual(args);
     save_args(ctx, args, residual);
     ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined (no zeros allocated)

@@ -227,6 +227,32 @@ def test_opcheck_fwd_with_residual(options):
         torch.ops.gated_delta.bwd(*bwd_args, residual=torch.zeros(4, 4, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("env", [None, "1", "0"])
+def test_backward_residual_switch(monkeypatch, env):
+    """A forward that records a graph calls fwd_with_residual, and fwd where GATED_DELTA_BACKWARD_RESIDUAL=0 (read
+    per call); the gradients are the same either way on the CPU, which keeps no residual."""
+    if env is None:
+        monkeypatch.delenv("GATED_DELTA_BACKWARD_RESIDUAL", raising=False)
+    else:
+        monkeypatch.setenv("GATED_DELTA_BACKWARD_RESIDUAL", env)
+    xs = make_inputs(T=9, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        o, _ = gated_delta_rule(*xs, scale=0.3, algorithm="chunk", chunk_size=4)
+    names = [e.name for e in prof.events()]
+    assert ("gated_delta::fwd_with_residual" in names) == (env != "0"), names
+    d_o = torch.randn_like(o)
+    grads = torch.autograd.grad(o, xs, d_o)
+    ys = [x.detach().clone().requires_grad_() for x in xs]
+    with torch.no_grad():
+        o2 = gated_delta_rule(*ys, scale=0.3, algorithm="chunk", chunk_size=4)[0]
+    assert torch.equal(o.detach(), o2)
+    with torch.no_grad():
+        ref = torch.ops.gated_delta.bwd(d_o, None, *xs, 0.3, None, None, None, False, False, False, False, None,
+                                        None, "chunk", 4)
+    for a, b in zip(grads, ref):
+        assert torch.equal(a, b)
+
+
 def test_opcheck_fwd_varlen():
     q, k, v, g, beta = make_inputs(T=11)
     cu = torch.tensor([0, 3, 3, 11])
