@@ -157,8 +157,7 @@ def _sanitize_segments():
     decaying gates (proven warm-ups), the second with g = 0 (the exact fallback)."""
     inp = make_inputs(1, 1100, 1, 2, 64, 64, torch.bfloat16)
     inp["g"][..., 1] = 0.0
-    d_o = torch.randn(1, 1100, 2, 64, device="cuda").to(torch.bfloat16)
-    d_ht = torch.randn(1, 2, 64, 64, device="cuda")
+    d_o, d_ht = output_grads(inp, 1)
     r = run_ours(inp, d_o, d_ht, algorithm="auto")
     torch.cuda.synchronize()
     print("segments ok", all(torch.isfinite(x).all().item() for x in r.values()))
@@ -177,8 +176,7 @@ def _sanitize_main(small=False):
         for (B, T, H, HV, K, V, cu, dtype) in ((configs[0], configs[1], configs[3]) if small else configs):
                 inp = make_inputs(B, T, H, HV, K, V, dtype, cu_seqlens=cu)
                 N = B if cu is None else len(cu) - 1
-                d_o = torch.randn(B, T, HV, V, device="cuda").to(dtype)
-                d_ht = torch.randn(N, HV, K, V, device="cuda")
+                d_o, d_ht = output_grads(inp, N)
                 r = run_ours(inp, d_o, d_ht, algorithm=algo)
                 torch.cuda.synchronize()
                 print(algo, dtype, K, V, "ok", all(torch.isfinite(x).all().item() for x in r.values()))
@@ -192,8 +190,7 @@ def _sanitize_fused():
     for (B, T, H, HV, cu) in ((4, 65, 16, 32, None), (1, 464, 16, 64, [0, 0, 1, 64, 464])):
         inp = make_inputs(B, T, H, HV, 128, 128, torch.bfloat16, cu_seqlens=cu)
         N = B if cu is None else len(cu) - 1
-        d_o = torch.randn(B, T, HV, 128, device="cuda").to(torch.bfloat16)
-        d_ht = torch.randn(N, HV, 128, 128, device="cuda")
+        d_o, d_ht = output_grads(inp, N)
         r = run_ours(inp, d_o, d_ht, grads=cu is None)
         torch.cuda.synchronize()
         print("fused", B, T, HV, "ok", all(torch.isfinite(x).all().item() for x in r.values()))
@@ -201,8 +198,7 @@ def _sanitize_fused():
     # backward reads the residual the forward kept (its own segments' warm-up bounds from prep_residual)
     inp = make_inputs(1, 1100, 4, 16, 128, 128, torch.bfloat16)
     inp["g"][..., 0] = 0.0
-    d_o = torch.randn(1, 1100, 16, 128, device="cuda").to(torch.bfloat16)
-    d_ht = torch.randn(1, 16, 128, 128, device="cuda")
+    d_o, d_ht = output_grads(inp, 1)
     r = run_ours(inp, d_o, d_ht, algorithm="auto")
     torch.cuda.synchronize()
     print("fused segments ok", all(torch.isfinite(x).all().item() for x in r.values()))
