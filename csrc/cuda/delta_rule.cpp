@@ -342,7 +342,8 @@ struct Regions {
 // Tm diag(beta) (state passes) with dW (chunk-parallel kernels), U (first state pass) with dVn^T (written by the
 // reverse pass), and the scan's scratch (state passes) with dgam1 and dk1 (chunk-parallel kernels). dk1 has a
 // region of its own only when dk itself is not fp32 (grad_f32).
-// in_residual: A, gam and (backward) Tm live in the residual instead (residual_regions).
+// in_residual: A, gam and (backward) Tm live in the residual instead (residual_regions), and the backward's state
+// passes apply diag(beta) to Tm themselves (Params::fold_beta): no Tm diag(beta).
 Regions plan_workspace(Workspace& ws, const Call& c, bool backward, bool dk1_own, bool in_residual = false) {
   const int64_t NC = c.L.NC, HV = c.p.HV, K = c.p.K, V = c.p.V, units = c.L.num_units;
   const int64_t es = c.in.q.element_size(), fs = sizeof(float);
@@ -352,7 +353,7 @@ Regions plan_workspace(Workspace& ws, const Call& c, bool backward, bool dk1_own
   {
     Workspace::Union u(ws);
     if (wu) r.W = ws.take(NC * HV * kC * K * es);
-    if (form_wu && !wu) r.TmB = ws.take(NC * HV * kC * kC * es);
+    if (form_wu && !wu && !(backward && in_residual)) r.TmB = ws.take(NC * HV * kC * kC * es);
     if (backward) {
       u.next();
       r.dW = ws.take(NC * HV * kC * K * es);
@@ -415,9 +416,10 @@ void bind(Params& p, const Workspace& ws, const Regions& r) {
 // ---- the residual a forward keeps for its backward (fwd_with_residual) ----
 // Each chunk's A, gam and Tm: what the backward's preparation would otherwise recompute (K K^T, Q K^T, M and the
 // inverse). Kept where the backward's state passes form W and U themselves (forms_wu: 16-bit inputs, K <= 128,
-// 64-column tiles) and the scan is not asked for; the backward then forms Tm diag(beta) from Tm
-// (launch_prep_residual) instead of running the preparation. The forward decides it as the backward will (its
-// layout's counts, without device tables); the backward checks the residual's size against its own layout.
+// 64-column tiles) and the scan is not asked for; the backward then runs no preparation: its state passes read Tm
+// and apply diag(beta) themselves (Params::fold_beta), and with segments launch_prep_residual forms the warm-up
+// bounds. The forward decides it as the backward will (its layout's counts, without device tables); the backward
+// checks the residual's size against its own layout.
 struct ResidualRegions {
   int64_t A = 0, gam = 0, Tm = 0, bytes = 0;
 };
@@ -637,9 +639,10 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   const Regions r = plan_workspace(ws, c, /*backward=*/true, /*dk1_own=*/!p.grad_f32, from_residual);
   ws.allocate(c.opts);
   bind(p, ws, r);
-  if (from_residual) {  // A, gam and Tm from the forward; Tm diag(beta) (and the warm-up bounds) from them
+  if (from_residual) {  // A, gam and Tm from the forward; the state passes apply diag(beta) to Tm themselves
     bind_residual(p, a.residual, rr);
-    cuda::launch_prep_residual(p, c.dt, c.stream);
+    p.fold_beta = 1;
+    if (p.lnorm != nullptr) cuda::launch_prep_residual(p, c.dt, c.stream);  // (segments: the warm-up bounds)
   } else {
     cuda::launch_prep(p, c.dt, c.stream);  // (also writes Tm)
   }

@@ -66,7 +66,9 @@ struct Params {
   void* A;
   void* Tm;               // [NC, HV, C, C] (I + M)^-1, written by the preparation when non-null (backward, residual)
   void* TmB;              // [NC, HV, C, C] Tm diag(beta), written by the preparation when non-null: the state
-                          // passes that form W and U themselves read it (forms_wu)
+                          // passes that form W and U themselves read it (forms_wu), unless fold_beta
+  int fold_beta;          // (forms_wu passes) read Tm instead of TmB and apply diag(beta) themselves, to the token
+                          // columns of the operand it multiplies (the backward from a forward's residual)
   float* gam;
   void* hT;
   void* VnT;
@@ -132,8 +134,7 @@ inline bool fwd_fused_applies(DType dtype, int K, int V, int tile32, bool scan) 
 
 // Launchers (one per kernel family), defined in the .cu files; the storage type St is selected by dtype.
 void launch_prep(const Params& p, DType dtype, void* stream);
-// the backward's preparation from a forward's residual (16-bit inputs): reads Tm, gam, beta (and k for lnorm);
-// writes TmB (and lnorm where set)
+// the backward's warm-up bounds from a forward's residual (16-bit inputs, segments): reads k, g, beta; writes lnorm
 void launch_prep_residual(const Params& p, DType dtype, void* stream);
 // the one-kernel forward (fwd_fused_applies): reads q, k, v, g, beta, init; writes o, fin
 // (and with warm = 1, seg_ok)

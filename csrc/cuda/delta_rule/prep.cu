@@ -362,43 +362,20 @@ __device__ __forceinline__ float chunk_lnorm_cta(const Params& p, int c, int h, 
   return (red[0] + red[1]) + (red[2] + red[3]);
 }
 
-// The backward's preparation where the forward kept its residual (fwd_with_residual: each chunk's gam, A and Tm,
-// which p.gam, p.A and p.Tm point into): one CTA of 4 warps per (chunk, value head) writes Tm diag(beta) from the
-// stored Tm and, when p.lnorm is set, the chunk's warm-up bound (chunk_lnorm_cta: all four warps read the keys).
+// The backward's warm-up bounds where the forward kept its residual (fwd_with_residual: A, gam and Tm, which the
+// state passes read, applying diag(beta) to Tm themselves): one CTA of 4 warps per (chunk, value head) forms the
+// chunk's bound (chunk_lnorm_cta: all four warps read the keys) into p.lnorm. Launched with segments only.
 template <class St, int K>
 __global__ void __launch_bounds__(128) prep_residual_kernel(const Params p) {
   const int hv = blockIdx.x % p.HV, c = blockIdx.x / p.HV, h = hv / p.G;
-  const int tid = threadIdx.x;
-  const ChunkInfo ci = chunk_info(p, c);
-  const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
-  // eight columns (16 bytes) per thread, in rows 16 apart; beta of the columns past the chunk is 0, as in prep
-  const int r0 = tid >> 3, j = 8 * (tid & 7);
-  float bj[8];
-#pragma unroll
-  for (int u = 0; u < 8; ++u)
-    bj[u] = j + u < ci.len ? load_as_float(p.beta, p.beta_dtype, (ci.bos + j + u) * p.HV + hv) : 0.f;
-  const St* tm = static_cast<const St*>(p.Tm) + (chv * C + r0) * C + j;
-  St* tb = static_cast<St*>(p.TmB) + (chv * C + r0) * C + j;
-#pragma unroll
-  for (int s = 0; s < C / 16; ++s) {
-    const uint4 w = *reinterpret_cast<const uint4*>(tm + 16 * s * C);
-    uint32_t y[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 t = unpack2<St>((&w.x)[e]);
-      Pack<St>::put(y, y, e, bj[2 * e] * t.x, bj[2 * e + 1] * t.y);
-    }
-    *reinterpret_cast<uint4*>(tb + 16 * s * C) = make_uint4(y[0], y[1], y[2], y[3]);
-  }
-  if (p.lnorm != nullptr) {  // (the same for the whole CTA: all its threads form the bound)
-    __shared__ float red[4];
-    const float x = chunk_lnorm_cta<St, K>(p, c, h, hv, red);
-    if (tid == 0) p.lnorm[chv] = x;
-  }
+  __shared__ float red[4];
+  const float x = chunk_lnorm_cta<St, K>(p, c, h, hv, red);
+  if (threadIdx.x == 0) p.lnorm[static_cast<int64_t>(c) * p.HV + hv] = x;
 }
 
 void launch_prep_residual(const Params& p, DType dtype, void* stream) {
   if (p.NC == 0) return;
+  TORCH_CHECK(p.lnorm != nullptr, "gated_delta CUDA: prep_residual forms the warm-up bounds and needs lnorm");
   GD_DTYPE_SWITCH(dtype, St, [&] {
     if constexpr (sizeof(St) == 2) {  // (a residual is kept for 16-bit inputs only: forms_wu)
       GD_HEADK_SWITCH(p.K, KC, [&] {

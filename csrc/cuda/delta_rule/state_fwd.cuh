@@ -60,9 +60,9 @@ struct FwdCfg {
   static constexpr size_t KQ_BYTES = (size_t)K * NKQ * 128;  // K / 64 blocks of 64 NKQ rows of 128 bytes
   static constexpr size_t AT_BYTES = (MODE == 0) ? 8192 : 0, TB_BYTES = 8192;
   static constexpr size_t UT_BYTES = sizeof(St) * C * LDT;
-  // gam, and on warpgroup products e^gam and e^{gam_L - gam} after it (64 floats each)
+  // gam, and on warpgroup products e^gam, e^{gam_L - gam} and the columns' beta factors after it (64 floats each)
   static constexpr size_t STAGE_BYTES =
-      WG ? (KQ_BYTES + AT_BYTES + TB_BYTES + UT_BYTES + 3 * 256 + 1023) / 1024 * 1024
+      WG ? (KQ_BYTES + AT_BYTES + TB_BYTES + UT_BYTES + 4 * 256 + 1023) / 1024 * 1024
          : sizeof(St) * (size_t)(NKT * C * LDK + C * LDT + C * LDC) + 256;
   static constexpr size_t RED_BYTES = (KS == 2) ? sizeof(float) * (2 * NVR * 1024 + NVR * 1024) : 0;
   static constexpr size_t OS_BYTES = (MODE == 0) ? sizeof(St) * C * LDT : 0;
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
       if constexpr (F::WITH_Q)
         load_tile_sw128<St, C, K, RT, NT>(kb, 64, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
       load_tile_sw128<St, C, C, C, NT>(reinterpret_cast<unsigned char*>(Ts), 0,
-                                       static_cast<const St*>(p.TmB) + chv * C * C, C, C, tid);
+                                       static_cast<const St*>(p.fold_beta ? p.Tm : p.TmB) + chv * C * C, C, C, tid);
       load_tile<St, C, TW * WGS, NT>(Us, LDT, static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V + vt0 * TW,
                                      static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
       if constexpr (MODE == 0)
@@ -186,6 +186,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
     stage_ptr(buf, Ws, Ks, Qs, Us, As, Ts, gs);
     float* eg = gs + C;         // (warpgroup products) e^gam
     float* egl = gs + 2 * C;    // e^{gam_L - gam}
+    float* bs = gs + 3 * C;     // beta of the chunk's tokens with fold_beta (0 past its length), else 1
     const ChunkInfo ci = chunk_info(p, c, un.n);
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
     const int64_t row0 = chv * p.V + vt * TW + vr * 16;  // (mode 1) this warp's first row of hT / Vn^T
@@ -228,6 +229,8 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
       if (tid < C) {
         eg[tid] = __expf(gs[tid]);
         egl[tid] = __expf(gs[C - 1] - gs[tid]);
+        bs[tid] = !p.fold_beta ? 1.f
+                  : tid < ci.len ? load_as_float(p.beta, p.beta_dtype, (ci.bos + tid) * p.HV + hv) : 0.f;
       }
       __syncthreads();
       wg_wait<0>();
@@ -311,7 +314,8 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
     float vn[8][4];
     auto store_vnt = [&] { store_frag_rows<St, 8>(static_cast<St*>(p.VnT) + row0 * C, C, vn, g8, q); };
     if constexpr (F::WG) {
-      // X^T = V^T - (K S)^T diag(e^gam) (V^T by ldmatrix.trans, as U^T below), then Vn^T = X^T (Tm diag(beta))^T
+      // X^T = V^T - (K S)^T diag(e^gam) (V^T by ldmatrix.trans, as U^T below), then Vn^T = X^T (Tm diag(beta))^T;
+      // with fold_beta X^T's token columns take beta before X^T's rounding, and Ts holds Tm
       FragA<St> xa[4];
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
@@ -320,12 +324,12 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
           const int nt = 2 * kk + t, j0 = 8 * nt + 2 * q;
-          const float e0 = eg[j0], e1 = eg[j0 + 1];
+          const float e0 = eg[j0], e1 = eg[j0 + 1], b0 = bs[j0], b1 = bs[j0 + 1];
           const float2 v0 = unpack2<St>(va.x[2 * t]), v1 = unpack2<St>(va.x[2 * t + 1]);
-          x[t][0] = v0.x - acc_vn[nt][0] * e0;
-          x[t][1] = v0.y - acc_vn[nt][1] * e1;
-          x[t][2] = v1.x - acc_vn[nt][2] * e0;
-          x[t][3] = v1.y - acc_vn[nt][3] * e1;
+          x[t][0] = (v0.x - acc_vn[nt][0] * e0) * b0;
+          x[t][1] = (v0.y - acc_vn[nt][1] * e1) * b1;
+          x[t][2] = (v1.x - acc_vn[nt][2] * e0) * b0;
+          x[t][3] = (v1.y - acc_vn[nt][3] * e1) * b1;
         }
         xa[kk] = frag_a_from_c<St>(x[0], x[1]);
       }
@@ -517,8 +521,9 @@ void launch_state_fwd_t(const Params& p, int mode, void* stream) {
         using F = FwdCfg<St, KC, M, TW, KSP, WGS>;
         auto kern = state_fwd_kernel<St, KC, M, TW, KSP, WGS>;
         if constexpr (M != 2)
-          TORCH_CHECK(F::WG == (p.TmB != nullptr), "gated_delta CUDA: the forward state pass ",
-                      F::WG ? "forms W and U and needs" : "reads W and U and takes no", " Tm diag(beta)");
+          TORCH_CHECK(F::WG == (p.fold_beta ? p.Tm != nullptr : p.TmB != nullptr),
+                      "gated_delta CUDA: the forward state pass ",
+                      F::WG ? "forms W and U and needs" : "reads W and U and takes no", " Tm diag(beta) (or Tm)");
         GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
         const int tiles = (M == 2) ? (p.V + KC) / TW : p.V / TW;
         kern<<<dim3(p.num_units, tiles / WGS, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);

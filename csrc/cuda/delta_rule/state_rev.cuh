@@ -41,8 +41,8 @@ struct RevCfg {
   // two warpgroups per CTA (one per tile) read each chunk's K, Q, A and Tm diag(beta) once for both tiles
   static_assert(WGS == 1 || WG, "two warpgroups per CTA: the warpgroup pass only");
   static constexpr size_t KT_BYTES = (size_t)K * 128, AT_BYTES = 8192, DT_BYTES = sizeof(St) * C * LDT;
-  // gam, and on warpgroup products e^gam and e^{gam_L - gam} after it (64 floats each)
-  static constexpr size_t STAGE_BYTES = WG ? (2 * KT_BYTES + 2 * AT_BYTES + DT_BYTES + 3 * 256 + 1023) / 1024 * 1024
+  // gam, and on warpgroup products e^gam, e^{gam_L - gam} and the columns' beta factors after it (64 floats each)
+  static constexpr size_t STAGE_BYTES = WG ? (2 * KT_BYTES + 2 * AT_BYTES + DT_BYTES + 4 * 256 + 1023) / 1024 * 1024
                                            : sizeof(St) * (size_t)(NKT * C * LDK + C * LDC + C * LDT) + 256;
   static constexpr size_t RED_BYTES = (KS == 2) ? sizeof(float) * (2 * NVR * 1024) : 0;
   static constexpr size_t ALIGN = WG ? 1024 : 0;  // room to move the stages onto a 1024-byte boundary
@@ -98,7 +98,8 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
       load_tile_sw128<St, C, K, C, NT>(sw(Ks), 0, static_cast<const St*>(p.k) + ci.bos * HK + h * K, HK, ci.len, tid);
       load_tile_sw128<St, C, K, C, NT>(sw(Qs), 0, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
       load_tile_sw128<St, C, C, C, NT>(sw(As), 0, static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
-      load_tile_sw128<St, C, C, C, NT>(sw(Ts), 0, static_cast<const St*>(p.TmB) + chv * C * C, C, C, tid);
+      load_tile_sw128<St, C, C, C, NT>(sw(Ts), 0, static_cast<const St*>(p.fold_beta ? p.Tm : p.TmB) + chv * C * C,
+                                       C, C, tid);
       load_tile<St, C, TW * WGS, NT>(Ds, LDT, static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * p.V + vt0 * TW,
                                      static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
       if (tid < 16) cp_async16(gs + 4 * tid, p.gam + chv * C + 4 * tid, true);
@@ -145,6 +146,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
     stage_ptr(buf, Ws, Ks, Qs, As, Ts, Ds, gs);
     float* eg = gs + C;       // (warpgroup products) e^gam
     float* egl = gs + 2 * C;  // e^{gam_L - gam}
+    float* bs = gs + 3 * C;   // beta of the chunk's tokens with fold_beta (0 past its length), else 1
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
 
     const int64_t row0 = chv * p.V + vt * TW + vr * 16;  // this warp's first row of dhT / dVn^T
@@ -180,6 +182,12 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
       if (tid < C) {
         eg[tid] = __expf(gs[tid]);
         egl[tid] = __expf(gs[C - 1] - gs[tid]);
+        float b = 1.f;
+        if (p.fold_beta) {
+          const ChunkInfo ci = chunk_info(p, c, un.n);
+          b = tid < ci.len ? load_as_float(p.beta, p.beta_dtype, (ci.bos + tid) * p.HV + hv) : 0.f;
+        }
+        bs[tid] = b;
       }
       __syncthreads();
       wg_wait<0>();
@@ -272,7 +280,9 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const int j0 = 16 * kk + 2 * q;
-        const float fk[4] = {-eg[j0], -eg[j0 + 1], -eg[j0 + 8], -eg[j0 + 9]};
+        // (with fold_beta Ts holds Tm: the columns of y = dVn^T Tm take diag(beta) here, before y's rounding)
+        const float fk[4] = {-eg[j0] * bs[j0], -eg[j0 + 1] * bs[j0 + 1], -eg[j0 + 8] * bs[j0 + 8],
+                             -eg[j0 + 9] * bs[j0 + 9]};
         ya[kk] = frag_a_from_c_cols<St>(y[2 * kk], y[2 * kk + 1], fk);
       }
       wg_fence();
@@ -332,8 +342,9 @@ void launch_state_rev_t(const Params& p, int mode, void* stream) {
         using F = RevCfg<St, KC, TW, M, WGS>;
         auto kern = state_rev_kernel<St, KC, M, TW, WGS>;
         if constexpr (M == 0)
-          TORCH_CHECK(F::WG == (p.TmB != nullptr), "gated_delta CUDA: the reverse state pass ",
-                      F::WG ? "forms W and needs" : "reads W and takes no", " Tm diag(beta)");
+          TORCH_CHECK(F::WG == (p.fold_beta ? p.Tm != nullptr : p.TmB != nullptr),
+                      "gated_delta CUDA: the reverse state pass ",
+                      F::WG ? "forms W and needs" : "reads W and takes no", " Tm diag(beta) (or Tm)");
         GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
         const int tiles = (M == 1) ? (p.V + KC) / TW : p.V / TW;
         kern<<<dim3(p.num_units, tiles / WGS, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
