@@ -72,6 +72,7 @@ struct Layout {
   const int* chunk_len = nullptr;
   const int* unit_tab = nullptr;
   const int* unit_off = nullptr;
+  at::Tensor cu_host;  // varlen: the host copy of cu_seqlens the layout was made from (int64)
 };
 
 // tiles_per_sm: 64-column state tiles of the state kernels that share an SM (one per CTA, or two per CTA of two
@@ -130,6 +131,7 @@ Layout make_layout(const CoreArgs& a, int tiles_per_sm, bool tables = true) {
     check_cu_seqlens_values(cu_host, T, "cu_seqlens");
   }
   cu_host = cu_host.to(at::kLong).contiguous();
+  L.cu_host = cu_host;
   const int64_t* cu = cu_host.data_ptr<int64_t>();
   L.N = static_cast<int>(cu_host.size(0) - 1);
   std::vector<int> nch(L.N);
@@ -435,14 +437,24 @@ ResidualRegions residual_regions(const Call& c) {
   return r;
 }
 
+// The rule both directions apply: the backward's layout walks chunks (no scan) and its state passes form W and U
+// themselves (forms_wu: 16-bit inputs, K <= 128, 64-column tiles).
+bool residual_applies(const Layout& Lb, cuda::DType dt, int K, int tile32) {
+  return !Lb.scan && cuda::forms_wu(dt, K, tile32, /*backward=*/true);
+}
+
 // (c: the forward's call, whose layout the backward's is where both count the same tiles per SM; otherwise the
-// backward's counts are made here, which for varlen without cu_seqlens_cpu reads cu_seqlens from the device again)
+// backward's counts are made here, from the host copy of cu_seqlens the forward's layout holds)
 bool backward_takes_residual(const CoreArgs& a, const Call& c) {
   const int K = c.p.K, V = c.p.V;
   const int tiles = cuda::wg_tiles_per_sm(c.dt, K, V, /*backward=*/true);
-  const bool same = tiles == cuda::wg_tiles_per_sm(c.dt, K, V, /*backward=*/false);
-  const Layout Lb = same ? c.L : make_layout(a, tiles, /*tables=*/false);
-  return !Lb.scan && cuda::forms_wu(c.dt, K, tile32_of(a, Lb), /*backward=*/true);
+  if (tiles == cuda::wg_tiles_per_sm(c.dt, K, V, /*backward=*/false)) {
+    return residual_applies(c.L, c.dt, K, c.p.tile32);
+  }
+  CoreArgs ab = a;
+  if (c.L.cu_host.defined()) ab.cu_seqlens_cpu = c.L.cu_host;
+  const Layout Lb = make_layout(ab, tiles, /*tables=*/false);
+  return residual_applies(Lb, c.dt, K, tile32_of(a, Lb));
 }
 
 void bind_residual(Params& p, const at::Tensor& res, const ResidualRegions& r) {
@@ -628,7 +640,7 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   const bool from_residual = a.residual.defined();
   ResidualRegions rr;
   if (from_residual) {
-    TORCH_CHECK(!c.L.scan && cuda::forms_wu(c.dt, p.K, p.tile32, /*backward=*/true),
+    TORCH_CHECK(residual_applies(c.L, c.dt, p.K, p.tile32),
                 "residual: these inputs take none on CUDA (fwd_with_residual returns an empty tensor for them), got ",
                 a.residual.numel(), " bytes");
     rr = residual_regions(c);
