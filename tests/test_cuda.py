@@ -9,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_helpers import TOL, check_graph_replay, make_inputs, reference, rel_err, run_ours  # noqa: E402
+from gpu_helpers import TOL, check_graph_replay, make_inputs, output_grads, reference, rel_err, run_ours  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,9 +58,7 @@ def _case(name, dtype):
         B, T, H, HV, K, V, h0, cu, opts = CASES[name]
         inp = make_inputs(B, T, H, HV, K, V, dtype, h0=h0, cu_seqlens=cu, options=opts, seed=list(CASES).index(name))
         N = B if cu is None else len(cu) - 1
-        gen = torch.Generator(device="cpu").manual_seed(7)
-        d_o = torch.randn(B, T, HV, V, generator=gen).to("cuda", dtype)
-        d_ht = torch.randn(N, HV, K, V, generator=gen).to("cuda")
+        d_o, d_ht = output_grads(inp, N, seed=7)
         ref = reference(inp, d_o, d_ht)
         _REF_CACHE[key] = (inp, d_o, d_ht, ref)
     return _REF_CACHE[key]
@@ -89,9 +87,7 @@ def test_chunk_and_scan_agree(dtype):
     """The two algorithms on the same inputs: fp32 to 1e-4; 16-bit within the tolerance each has against the float64
     loop (their outputs and gradients are rounded to bf16 along different paths)."""
     inp = make_inputs(2, 3000, 1, 2, 128, 128, dtype)
-    gen = torch.Generator(device="cpu").manual_seed(11)
-    d_o = torch.randn(2, 3000, 2, 128, generator=gen).to("cuda", dtype)
-    d_ht = torch.randn(2, 2, 128, 128, generator=gen).to("cuda")
+    d_o, d_ht = output_grads(inp, 2, seed=11)
     a = run_ours(inp, d_o, d_ht, algorithm="chunk")
     b = run_ours(inp, d_o, d_ht, algorithm="scan")
     for key in a:
@@ -111,8 +107,7 @@ def test_auto_and_recurrent_run():
 
 def test_deterministic():
     inp = make_inputs(1, 777, 2, 8, 128, 128, torch.bfloat16, cu_seqlens=[0, 100, 500, 777])
-    d_o = torch.randn(1, 777, 8, 128, device="cuda").to(torch.bfloat16)
-    d_ht = torch.randn(3, 8, 128, 128, device="cuda")
+    d_o, d_ht = output_grads(inp, 3)
     for algo in ("chunk", "scan"):
         a = run_ours(inp, d_o, d_ht, algorithm=algo)
         b = run_ours(inp, d_o, d_ht, algorithm=algo)
@@ -125,8 +120,7 @@ def test_beta_dtype_is_read_in_place():
     give bitwise the same output and gradients, and dbeta is the fp32 one rounded to beta's dtype (fp64, not a
     kernel dtype, is read and written as fp32)."""
     inp = make_inputs(2, 130, 2, 4, 128, 128, torch.bfloat16, seed=11)
-    d_o = torch.randn(2, 130, 4, 128, device="cuda").to(torch.bfloat16)
-    d_ht = torch.randn(2, 4, 128, 128, device="cuda")
+    d_o, d_ht = output_grads(inp, 2)
     runs = {dt: run_ours(dict(inp, beta=inp["beta"].to(dt)), d_o, d_ht)  # (bf16 values fit in each dtype)
             for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
     wide = runs[torch.float32]
@@ -141,8 +135,7 @@ def test_beta_dtype_is_read_in_place():
 def test_cuda_graph_replay_matches_eager():
     B, T, H, HV, K, V = 2, 200, 2, 4, 128, 128
     inp = make_inputs(B, T, H, HV, K, V, torch.bfloat16)
-    d_o = torch.randn(B, T, HV, V, device="cuda").to(torch.bfloat16)
-    d_ht = torch.randn(B, HV, K, V, device="cuda")
+    d_o, d_ht = output_grads(inp, B)
     check_graph_replay(inp, d_o, d_ht, "chunk")
 
 

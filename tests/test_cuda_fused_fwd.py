@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_helpers import TOL, check_graph_replay, make_inputs, reference, rel_err, run_ours  # noqa: E402
+from gpu_helpers import TOL, check_graph_replay, make_inputs, output_grads, reference, rel_err, run_ours  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -143,9 +143,7 @@ def test_backward_after_fused_forward():
     """The backward (its own kernels) from inputs whose forward ran fused: every gradient against the reference."""
     B, T, H, HV, V = 4, 130, 8, 32, 128
     inp = make_inputs(B, T, H, HV, 128, V, torch.bfloat16, seed=5)
-    gen = torch.Generator(device="cpu").manual_seed(6)
-    d_o = torch.randn(B, T, HV, V, generator=gen).to("cuda", torch.bfloat16)
-    d_ht = torch.randn(B, HV, 128, V, generator=gen).to("cuda")
+    d_o, d_ht = output_grads(inp, B, seed=6)
     ref = reference(inp, d_o, d_ht)
     ours, names = _kernels(lambda: run_ours(inp, d_o, d_ht))
     assert "fwd_fused_kernel" in names
@@ -159,8 +157,7 @@ def test_deterministic_and_graph_replay():
     a = run_ours(inp, grads=False)
     b = run_ours(inp, grads=False)
     assert torch.equal(a["o"], b["o"]) and torch.equal(a["ht"], b["ht"])
-    d_o = torch.randn(2, 777, 32, 128, device="cuda").to(torch.bfloat16)
-    d_ht = torch.randn(2, 32, 128, 128, device="cuda")
+    d_o, d_ht = output_grads(inp, 2)
     check_graph_replay(inp, d_o, d_ht, "chunk")
 
 
