@@ -110,6 +110,9 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
     As = Us + C * LDT;
     gs = reinterpret_cast<float*>(As + C * LDC);
   };
+  // (fold_beta) this thread's token's beta of the chunk last issued, loaded with its stage so that its latency
+  // hides behind a chunk's products (tid < C; 1 without fold_beta)
+  float bpre = 1.f;
   auto issue = [&](int c, int b) {
     St *Ws, *Ks, *Qs, *Us, *As, *Ts;
     float* gs;
@@ -130,6 +133,8 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
         load_tile_sw128<St, C, C, C, NT>(reinterpret_cast<unsigned char*>(As), 0,
                                          static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
       if (tid < 16) cp_async16(gs + 4 * tid, p.gam + chv * C + 4 * tid, true);
+      if (p.fold_beta && tid < C)
+        bpre = tid < ci.len ? load_as_float(p.beta, p.beta_dtype, (ci.bos + tid) * p.HV + hv) : 0.f;
       return;
     }
     load_tile<St, C, K, NT>(Ws, LDK, static_cast<const St*>(p.W) + chv * C * K, K, C, tid);
@@ -179,6 +184,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
       cp_async_commit();
       cp_async_wait<0>();
     }
+    const float bcur = bpre;  // (this chunk's; the next issue overwrites bpre)
     if constexpr (F::WG) fence_async_smem();  // the tiles are read by wgmma next
     __syncthreads();
     St *Ws, *Ks, *Qs, *Us, *As, *Ts;
@@ -229,8 +235,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
       if (tid < C) {
         eg[tid] = __expf(gs[tid]);
         egl[tid] = __expf(gs[C - 1] - gs[tid]);
-        bs[tid] = !p.fold_beta ? 1.f
-                  : tid < ci.len ? load_as_float(p.beta, p.beta_dtype, (ci.bos + tid) * p.HV + hv) : 0.f;
+        bs[tid] = bcur;
       }
       __syncthreads();
       wg_wait<0>();

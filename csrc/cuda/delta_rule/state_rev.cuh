@@ -87,6 +87,9 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
     Ds = As + C * LDC;
     gs = reinterpret_cast<float*>(Ds + C * LDT);
   };
+  // (fold_beta) this thread's token's beta of the chunk last issued, loaded with its stage so that its latency
+  // hides behind a chunk's products (tid < C; 1 without fold_beta)
+  float bpre = 1.f;
   auto issue = [&](int c, int b) {
     St *Ws, *Ks, *Qs, *As, *Ts, *Ds;
     float* gs;
@@ -103,6 +106,8 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
       load_tile<St, C, TW * WGS, NT>(Ds, LDT, static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * p.V + vt0 * TW,
                                      static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
       if (tid < 16) cp_async16(gs + 4 * tid, p.gam + chv * C + 4 * tid, true);
+      if (p.fold_beta && tid < C)
+        bpre = tid < ci.len ? load_as_float(p.beta, p.beta_dtype, (ci.bos + tid) * p.HV + hv) : 0.f;
       return;
     }
     load_tile<St, C, K, NT>(Ws, LDK, static_cast<const St*>(p.W) + chv * C * K, K, C, tid);
@@ -139,6 +144,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
       cp_async_commit();
       cp_async_wait<0>();
     }
+    const float bcur = bpre;  // (this chunk's; the next issue overwrites bpre)
     if constexpr (F::WG) fence_async_smem();  // the tiles are read by wgmma next
     __syncthreads();
     St *Ws, *Ks, *Qs, *As, *Ts, *Ds;
@@ -182,12 +188,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
       if (tid < C) {
         eg[tid] = __expf(gs[tid]);
         egl[tid] = __expf(gs[C - 1] - gs[tid]);
-        float b = 1.f;
-        if (p.fold_beta) {
-          const ChunkInfo ci = chunk_info(p, c, un.n);
-          b = tid < ci.len ? load_as_float(p.beta, p.beta_dtype, (ci.bos + tid) * p.HV + hv) : 0.f;
-        }
-        bs[tid] = b;
+        bs[tid] = bcur;
       }
       __syncthreads();
       wg_wait<0>();
