@@ -110,9 +110,9 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
     As = Us + C * LDT;
     gs = reinterpret_cast<float*>(As + C * LDC);
   };
-  // (fold_beta) this thread's token's beta of the chunk last issued, loaded with its stage so that its latency
-  // hides behind a chunk's products (tid < C; 1 without fold_beta)
-  float bpre = 1.f;
+  // (fold_beta) the bits of this thread's token's beta in the chunk last issued (0 past its length), loaded with
+  // its stage and converted at their use, a chunk later, so that no dtype branch waits for the load (tid < C)
+  uint32_t bpre = 0;
   auto issue = [&](int c, int b) {
     St *Ws, *Ks, *Qs, *Us, *As, *Ts;
     float* gs;
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
                                          static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
       if (tid < 16) cp_async16(gs + 4 * tid, p.gam + chv * C + 4 * tid, true);
       if (p.fold_beta && tid < C)
-        bpre = tid < ci.len ? load_as_float(p.beta, p.beta_dtype, (ci.bos + tid) * p.HV + hv) : 0.f;
+        bpre = tid < ci.len ? load_bits(p.beta, p.beta_dtype, (ci.bos + tid) * p.HV + hv) : 0u;
       return;
     }
     load_tile<St, C, K, NT>(Ws, LDK, static_cast<const St*>(p.W) + chv * C * K, K, C, tid);
@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
       cp_async_commit();
       cp_async_wait<0>();
     }
-    const float bcur = bpre;  // (this chunk's; the next issue overwrites bpre)
+    const uint32_t bcur = bpre;  // (this chunk's; the next issue overwrites bpre)
     if constexpr (F::WG) fence_async_smem();  // the tiles are read by wgmma next
     __syncthreads();
     St *Ws, *Ks, *Qs, *Us, *As, *Ts;
@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
       if (tid < C) {
         eg[tid] = __expf(gs[tid]);
         egl[tid] = __expf(gs[C - 1] - gs[tid]);
-        bs[tid] = bcur;
+        bs[tid] = p.fold_beta ? bits_as_float(bcur, p.beta_dtype) : 1.f;
       }
       __syncthreads();
       wg_wait<0>();

@@ -87,9 +87,9 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
     Ds = As + C * LDC;
     gs = reinterpret_cast<float*>(Ds + C * LDT);
   };
-  // (fold_beta) this thread's token's beta of the chunk last issued, loaded with its stage so that its latency
-  // hides behind a chunk's products (tid < C; 1 without fold_beta)
-  float bpre = 1.f;
+  // (fold_beta) the bits of this thread's token's beta in the chunk last issued (0 past its length), loaded with
+  // its stage and converted at their use, a chunk later, so that no dtype branch waits for the load (tid < C)
+  uint32_t bpre = 0;
   auto issue = [&](int c, int b) {
     St *Ws, *Ks, *Qs, *As, *Ts, *Ds;
     float* gs;
@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
                                      static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
       if (tid < 16) cp_async16(gs + 4 * tid, p.gam + chv * C + 4 * tid, true);
       if (p.fold_beta && tid < C)
-        bpre = tid < ci.len ? load_as_float(p.beta, p.beta_dtype, (ci.bos + tid) * p.HV + hv) : 0.f;
+        bpre = tid < ci.len ? load_bits(p.beta, p.beta_dtype, (ci.bos + tid) * p.HV + hv) : 0u;
       return;
     }
     load_tile<St, C, K, NT>(Ws, LDK, static_cast<const St*>(p.W) + chv * C * K, K, C, tid);
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
       cp_async_commit();
       cp_async_wait<0>();
     }
-    const float bcur = bpre;  // (this chunk's; the next issue overwrites bpre)
+    const uint32_t bcur = bpre;  // (this chunk's; the next issue overwrites bpre)
     if constexpr (F::WG) fence_async_smem();  // the tiles are read by wgmma next
     __syncthreads();
     St *Ws, *Ks, *Qs, *As, *Ts, *Ds;
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
       if (tid < C) {
         eg[tid] = __expf(gs[tid]);
         egl[tid] = __expf(gs[C - 1] - gs[tid]);
-        bs[tid] = bcur;
+        bs[tid] = p.fold_beta ? bits_as_float(bcur, p.beta_dtype) : 1.f;
       }
       __syncthreads();
       wg_wait<0>();
