@@ -132,7 +132,8 @@ def test_residual_only_where_the_backward_takes_it():
 def test_torch_compile_gradients_without_the_residual():
     """Under torch.compile (fullgraph) the traced forward keeps no residual (its size would be an unbacked symbol
     that fwd's outputs cannot bind) and the compiled backward prepares the chunks itself: its gradients differ from
-    the eager ones, which came through the residual, by the roundings of A, Tm and Tm diag(beta) only."""
+    the eager ones, which came through the residual, by the roundings of A and Tm and where diag(beta) is applied
+    only (prep's rounded Tm diag(beta), against the state passes' fp32 operands)."""
     from gated_delta import gated_delta_rule
 
     torch._dynamo.reset()
