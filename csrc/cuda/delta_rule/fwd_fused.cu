@@ -21,8 +21,9 @@
 // 64-column tiles, no scan; the host takes it there by default, except for segments shorter than 16 chunks
 // (fused_forward in delta_rule.cpp). With segments (Params::warm) it runs as state_fwd does, once for the segments,
 // once more for the exact fallback; each CTA forms the bounds its warm-up walks itself (fused_warm_walk), and the
-// producer prepares every chunk the CTA walks, warm-up chunks included. Bitwise deterministic: every value is
-// computed by one thread in a fixed order.
+// producer prepares every chunk the CTA walks, warm-up chunks included (without their Q, whose copies and A terms
+// are left out: nothing of a warm-up chunk is output). Bitwise deterministic: every value is computed by one thread
+// in a fixed order.
 // Mirrored kernel staging: the state warpgroups' per-chunk products follow state_fwd.cuh's warpgroup pass, and the
 // producer's element-wise terms prep.cu's, written out here so that this kernel's registers (setmaxnreg budgets)
 // and the order of its products are tuned on their own.
@@ -134,7 +135,7 @@ __global__ void __launch_bounds__(384, 1)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
   const int wg = warp >> 2, vr = warp & 3;
-  const int u = blockIdx.x, vt0 = blockIdx.y * 2, hv = blockIdx.z, h = hv / p.G;
+  const int u = pass_unit(p), vt0 = blockIdx.y * 2, hv = blockIdx.z, h = hv / p.G;
   const Unit un = get_unit(p, u);
   Run run;
   auto walk = [&](int edge, int bound, bool, int& state) {
@@ -170,24 +171,27 @@ __global__ void __launch_bounds__(384, 1)
     // last, partial chunk by cp.async with its rows past the end zero-filled (a box would read the next
     // sequence's). Bit s of kq_ph / v_ph: the parity of the slot's next phase. Each chunk's bounds are read once.
     uint32_t kq_ph = 0, v_ph = 0;
+    // A warm-up chunk's Q is not read (nothing of it is output): its copies are left out.
     auto load_kq = [&](int it, const ChunkInfo& ci) {
       unsigned char* s = kq_slot(it);
       uint64_t* bar = kq_bar + it % 3;
+      const bool with_q = it >= own0;
       if (ci.len == C) {
         if (pt == 0) {
           fence_async_smem();  // the slot's earlier reads and writes before the copy engine's writes
-          mbar_expect_tx(bar, F::KQ_BYTES);
+          mbar_expect_tx(bar, with_q ? F::KQ_BYTES : F::KQ_BYTES / 2);
 #pragma unroll
           for (int b = 0; b < 2; ++b) {
             tma_load_2d(s + b * (128 * 128), &tm_k, bar, h * K + 64 * b, static_cast<int>(ci.bos));
-            tma_load_2d(s + b * (128 * 128) + 64 * 128, &tm_q, bar, h * K + 64 * b, static_cast<int>(ci.bos));
+            if (with_q)
+              tma_load_2d(s + b * (128 * 128) + 64 * 128, &tm_q, bar, h * K + 64 * b, static_cast<int>(ci.bos));
           }
         }
       } else {
         const St* kg = static_cast<const St*>(p.k) + ci.bos * HK + h * K;
         const St* qg = static_cast<const St*>(p.q) + ci.bos * HK + h * K;
         load_tile_sw128<St, C, K, 128, 128>(s, 0, kg, HK, ci.len, pt);
-        load_tile_sw128<St, C, K, 128, 128>(s, 64, qg, HK, ci.len, pt);
+        if (with_q) load_tile_sw128<St, C, K, 128, 128>(s, 64, qg, HK, ci.len, pt);
       }
     };
     auto load_v = [&](int it, const ChunkInfo& ci) {
@@ -272,6 +276,7 @@ __global__ void __launch_bounds__(384, 1)
       unsigned char* kq = kq_slot(it);
       const float* gs = gates(it);
       const float* bet = gs + 3 * C;
+      const bool outc = it >= own0;  // (a warm-up chunk's A is not read: its terms are not formed)
       cp_async_wait<2>();  // this chunk's K | Q (the two groups after it may be in flight)
       if (ci_c.len == C) wait_tma(kq_bar, kq_ph, it % 3);
       bar_sync(kBarPrep, 128);  // (and the gates, formed during the previous chunk)
@@ -373,7 +378,7 @@ __global__ void __launch_bounds__(384, 1)
         if (pw == 2 && next) form_gates(it + 1);
         wg_wait<0>();
         wg_fence_acc(x);
-        warp_terms(x, std::true_type{});
+        if (outc) warp_terms(x, std::true_type{});
       }
       bar_sync(kBarPrep, 128);  // the diagonal blocks are complete
       block_inverse_tf32<NamedBar<kBarPrep>, /*DIAG=*/false>(Mf, Tf, Pf, pt);
@@ -452,6 +457,10 @@ __global__ void __launch_bounds__(384, 1)
     const float* eg = gs + C;
     const float* egl = gs + 2 * C;
     const ChunkInfo ci = chunk_info(p, c, un.n);
+    // a warm-up chunk (before the run's own) only carries the state: its output is not formed. (Its products
+    // run as any chunk's, on a slot whose Q and A the producer left unwritten: a product under a branch would be
+    // serialized by ptxas, and the producer, not these warpgroups, bounds the kernel.)
+    const bool out = c >= run.ob;
 
     // S^T [K | Q]^T as one 64 x 128 product (N-tiles 0..7: S^T K^T, 8..15: S^T Q^T): the state's fragments are
     // converted once and the accumulators of the two parts are not live beside a second copy of them
@@ -497,17 +506,18 @@ __global__ void __launch_bounds__(384, 1)
       for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 0>(vn, xa[kk], sw128_desc(Ts + 16 * kk, 16), kk > 0);
       wg_commit();
       // the S^T Q^T part by scale e^gam while Vn's product runs
+      if (out) {
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
+        for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[8 + nt][e] *= p.scale * eg[8 * nt + 2 * q + (e & 1)];
+          for (int e = 0; e < 4; ++e) acc[8 + nt][e] *= p.scale * eg[8 * nt + 2 * q + (e & 1)];
+      }
       wg_wait<0>();
       wg_fence_acc(vn);
     }
 
     // S^T <- e^{gam_L} S^T + (Vn^T diag(e^{gam_L - gam})) K, then the output's (scale Vn^T) A^T into a fresh
     // accumulator
-    const bool out = c >= run.ob;
     St* const og = static_cast<St*>(p.o) + (ci.bos * p.HV + hv) * p.V + vt0 * F::TW;
     const float dl = exp2_approx(gs[C - 1]);
 #pragma unroll
@@ -575,7 +585,8 @@ void launch_fwd_fused(const Params& p, DType dtype, void* stream) {
     const CUtensorMap tk = tma_map_16bit(p.k, half, p.BT, HK, HK, C);
     const CUtensorMap tq = tma_map_16bit(p.q, half, p.BT, HK, HK, C);
     const CUtensorMap tv = tma_map_16bit(p.v, half, p.BT, HVV, HVV, C);
-    kern<<<dim3(p.num_units, p.V / 128, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p, tk, tq, tv);
+    kern<<<dim3(pass_grid_units(p), p.V / 128, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p, tk, tq,
+                                                                                                           tv);
     GD_CUDA_LAUNCH_CHECK();
   };
   if (dtype == DType::kHalf) go(__half{});

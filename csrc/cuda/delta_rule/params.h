@@ -106,6 +106,10 @@ struct Params {
   DType dbeta_dtype;
 };
 
+// CTAs along x of a sequential pass: one per unit, or with warm = 2 (the exact fallback, which runs in each
+// sequence's first unit) one per sequence (warmup.cuh, pass_unit)
+inline int pass_grid_units(const Params& p) { return p.warm == 2 ? p.N : p.num_units; }
+
 // Whether the state passes form each chunk's W and U themselves, from Tm diag(beta), K and V (they then read TmB and
 // never W or U): their warpgroup configurations, 16-bit inputs with K <= 128 in 64-column tiles. The forward's pass
 // (state_fwd mode 0) takes 32-column tiles when tile32 is set for K = 128 only; the backward's (state_fwd mode 1,

@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
   // the CTA's state tiles vt0 .. vt0 + WGS - 1; this warp's tile vt, at column cw of the staging tiles
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
   const int wg = warp / (NVR * KS), vr = warp % NVR, ks = (warp / NVR) % KS, cw = wg * TW;
-  const int u = blockIdx.x, vt0 = blockIdx.y * WGS, vt = vt0 + wg, hv = blockIdx.z, h = hv / p.G;
+  const int u = pass_unit(p), vt0 = blockIdx.y * WGS, vt = vt0 + wg, hv = blockIdx.z, h = hv / p.G;
   const Unit un = get_unit(p, u);
   Run run;
   if (!plan_run<false>(p, u, un, hv, vt0, run)) return;
@@ -531,7 +531,7 @@ void launch_state_fwd_t(const Params& p, int mode, void* stream) {
                       F::WG ? "forms W and U and needs" : "reads W and U and takes no", " Tm diag(beta) (or Tm)");
         GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
         const int tiles = (M == 2) ? (p.V + KC) / TW : p.V / TW;
-        kern<<<dim3(p.num_units, tiles / WGS, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
+        kern<<<dim3(pass_grid_units(p), tiles / WGS, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p);
         GD_CUDA_LAUNCH_CHECK();
       };
       using I0 = std::integral_constant<int, 0>;

@@ -146,6 +146,15 @@ __device__ __forceinline__ int warm_walk(const Params& p, int hv, int edge, int 
   return walk_unproven(p, avail, edge, bound, state);
 }
 
+// The unit a CTA of a sequential pass takes. The exact fallback (warm = 2) runs only in each sequence's first unit,
+// so it is launched with one CTA per sequence (pass_grid_units) and CTA x takes sequence x's first unit (every
+// sequence has one: make_layout keeps a unit for an empty sequence); otherwise CTA x takes unit x.
+__device__ __forceinline__ int pass_unit(const Params& p) {
+  const int x = static_cast<int>(blockIdx.x);
+  if (p.warm != 2) return x;
+  return p.unit_off != nullptr ? min(p.unit_off[x], p.num_units - 1) : x * p.segs_per_seq;
+}
+
 // What one CTA of a sequential pass does: walk chunks [rb, re), store outputs of chunks [ob, oe), start from zero
 // (a proven warm-up) or from the initial state, and store the final state (forward) / initial-state gradient
 // (reverse) or not.
@@ -167,7 +176,7 @@ __device__ __forceinline__ bool plan_run(const Params& p, int u, const Unit& un,
   int s0, s1, u0, u1;
   seq_range(p, un.n, s0, s1, u0, u1);
   if (p.warm == 2) {  // the exact fallback: the sequence's first unit runs it whole where a segment failed
-    if (u != u0) return false;
+    if (u != u0) return false;  // (pass_unit gives every CTA a first unit)
     int bad = 0;
     for (int i = u0 + static_cast<int>(threadIdx.x); i < u1; i += blockDim.x)
       bad |= p.seg_ok[static_cast<int64_t>(i) * p.HV + hv] == 0;
