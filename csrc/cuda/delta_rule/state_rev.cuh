@@ -36,9 +36,10 @@ struct RevCfg {
   static constexpr int PAD = PadOf<St>::value, LDK = K + PAD, LDC = C + PAD, LDT = TW * WGS + PAD;
   static constexpr int NKT = Q_ALIAS ? 2 : 3;  // W, K, [Q]
   // warpgroup products (wgmma.cuh): 16-bit inputs, K <= 128, one warpgroup per 64-column tile, mode 0. A stage
-  // then holds K, Q, A and Tm diag(beta) as sw128 tiles on 1024-byte boundaries, and dO, gam as below.
+  // then holds K, Q, A and Tm diag(beta) (Tm itself with fold_beta) as sw128 tiles on 1024-byte boundaries, and dO,
+  // gam as below.
   static constexpr bool WG = HasWgmma<St>::value && K <= 128 && TW == 64 && MODE == 0;
-  // two warpgroups per CTA (one per tile) read each chunk's K, Q, A and Tm diag(beta) once for both tiles
+  // two warpgroups per CTA (one per tile) read each chunk's K, Q, A and Tm diag(beta) (or Tm) once for both tiles
   static_assert(WGS == 1 || WG, "two warpgroups per CTA: the warpgroup pass only");
   static constexpr size_t KT_BYTES = (size_t)K * 128, AT_BYTES = 8192, DT_BYTES = sizeof(St) * C * LDT;
   // gam, and on warpgroup products e^gam, e^{gam_L - gam} and the columns' beta factors after it (64 floats each)
