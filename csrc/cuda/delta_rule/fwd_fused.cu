@@ -585,8 +585,8 @@ void launch_fwd_fused(const Params& p, DType dtype, void* stream) {
     const CUtensorMap tk = tma_map_16bit(p.k, half, p.BT, HK, HK, C);
     const CUtensorMap tq = tma_map_16bit(p.q, half, p.BT, HK, HK, C);
     const CUtensorMap tv = tma_map_16bit(p.v, half, p.BT, HVV, HVV, C);
-    kern<<<dim3(pass_grid_units(p), p.V / 128, p.HV), F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p, tk, tq,
-                                                                                                           tv);
+    const dim3 grid(pass_grid_units(p), p.V / 128, p.HV);
+    kern<<<grid, F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p, tk, tq, tv);
     GD_CUDA_LAUNCH_CHECK();
   };
   if (dtype == DType::kHalf) go(__half{});
