@@ -4,6 +4,7 @@
 
 #include <stdint.h>
 
+#include "../device_utils.cuh"
 #include "params.h"
 
 namespace gated_delta {
@@ -30,6 +31,12 @@ __device__ __forceinline__ ChunkInfo chunk_info(const Params& p, int c, int n = 
   ci.len = max(0, min(ci.len, static_cast<int>(room < C ? room : C)));
   return ci;
 }
+// The bits of beta (load_bits: converted where they are used) of row i of chunk ci for value head hv; 0 past the
+// chunk's length
+__device__ __forceinline__ uint32_t chunk_beta_bits(const Params& p, const ChunkInfo& ci, int hv, int i) {
+  return i < ci.len ? load_bits(p.beta, p.beta_dtype, (ci.bos + i) * p.HV + hv) : 0u;
+}
+
 struct Unit { int n, cb, ce; };
 __device__ __forceinline__ Unit get_unit(const Params& p, int u) {
   Unit r;

@@ -133,8 +133,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
         load_tile_sw128<St, C, C, C, NT>(reinterpret_cast<unsigned char*>(As), 0,
                                          static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
       if (tid < 16) cp_async16(gs + 4 * tid, p.gam + chv * C + 4 * tid, true);
-      if (p.fold_beta && tid < C)
-        bpre = tid < ci.len ? load_bits(p.beta, p.beta_dtype, (ci.bos + tid) * p.HV + hv) : 0u;
+      if (p.fold_beta && tid < C) bpre = chunk_beta_bits(p, ci, hv, tid);
       return;
     }
     load_tile<St, C, K, NT>(Ws, LDK, static_cast<const St*>(p.W) + chv * C * K, K, C, tid);

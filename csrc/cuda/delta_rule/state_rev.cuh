@@ -107,8 +107,7 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
       load_tile<St, C, TW * WGS, NT>(Ds, LDT, static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * p.V + vt0 * TW,
                                      static_cast<int64_t>(p.HV) * p.V, ci.len, tid);
       if (tid < 16) cp_async16(gs + 4 * tid, p.gam + chv * C + 4 * tid, true);
-      if (p.fold_beta && tid < C)
-        bpre = tid < ci.len ? load_bits(p.beta, p.beta_dtype, (ci.bos + tid) * p.HV + hv) : 0u;
+      if (p.fold_beta && tid < C) bpre = chunk_beta_bits(p, ci, hv, tid);
       return;
     }
     load_tile<St, C, K, NT>(Ws, LDK, static_cast<const St*>(p.W) + chv * C * K, K, C, tid);
