@@ -230,6 +230,7 @@ Params base_params(const CoreArgs& a, const Layout& L) {
   p.warm_max = L.warm_max;
   p.tile32 = tile32_of(a, L);
   const int sms = num_sms(a.q);
+  p.sms = sms;
   // The preparation computes K K^T and Q K^T once for the value heads it walks: all G heads of a group per CTA,
   // unless that leaves fewer than two CTAs per SM; then the largest divisor of G that does not
   int heads = p.G;

@@ -46,6 +46,25 @@ __device__ __forceinline__ void qk_dgam_rows(const Params& p, int kb, int c, int
   p.dgam1[((static_cast<int64_t>(kb) * p.NC + c) * p.HV + hv) * C + i] = v;
 }
 
+// Work item it of grad_qk: (chunk c, q/k head h, K block kb), the K blocks of a chunk adjacent (they read the same
+// dO, Vn^T, dVn^T and A tiles, which the second finds in L2)
+struct QkItem {
+  int kb, c, h;
+  ChunkInfo ci;
+  int64_t chv0;  // c HV + the group's first value head
+};
+__device__ __forceinline__ QkItem qk_item(const Params& p, int it) {
+  QkItem r;
+  const int nkb = p.K / 64;
+  r.kb = it % nkb;
+  r.c = (it / nkb) % p.NC;
+  r.h = it / (nkb * p.NC);
+  r.ci = chunk_info(p, r.c);
+  r.chv0 = static_cast<int64_t>(r.c) * p.HV + r.h * p.G;
+  return r;
+}
+__host__ __device__ inline int qk_items(const Params& p) { return p.NC * p.H * (p.K / 64); }
+
 // ---------------------------------------------------------------------------------------------------------------
 template <class St>
 struct QkCfg {
@@ -77,12 +96,11 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
   float* colB = rowK + 128; // [4][64]
   float* sdots = colB + 256; // [8]
 
-  // the K blocks of a (chunk, q/k head) are adjacent in the grid: they read the same dO, Vn^T, dVn^T and A tiles,
-  // which the second then finds in L2
-  const int kb = blockIdx.x % (p.K / 64), c = (blockIdx.x / (p.K / 64)) % p.NC, h = blockIdx.x / ((p.K / 64) * p.NC);
+  const QkItem w = qk_item(p, blockIdx.x);  // (one CTA per item)
+  const int kb = w.kb, c = w.c, h = w.h;
+  const ChunkInfo ci = w.ci;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
   const int rg = warp & 3, chf = warp >> 2;
-  const ChunkInfo ci = chunk_info(p, c);
   const int K = p.K, V = p.V;
   const int64_t HK = static_cast<int64_t>(p.H) * K;
   const int nvt = V / 64, nsteps = p.G * nvt;
@@ -302,21 +320,26 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// 16-bit inputs: the same work items and pipeline of steps, the products as warpgroup products (wgmma.cuh). Warpgroup
-// 0 holds dA and scale dO S^T and then dQ; warpgroup 1 holds dW and Vn dS'^T and then dK1, each as full 64 x 64
-// accumulators. B operands (Vn^T, hT, dhT, q, k) are sw128 tiles; A operands come from registers: dO and dVn^T by
-// ldmatrix from padded tiles, Vn^T by ldmatrix from its sw128 tile, dA o E from warpgroup 0's accumulator for dQ and
-// from shared memory (transposed) for dK1.
+// 16-bit inputs: the same work items, walked by persistent CTAs (one per SM, items blockIdx.x + n gridDim.x), and
+// one pipeline of (item, value head, V tile) steps across them: the next item's first tiles load during this item's
+// last terms and its stores of dq and dk1. The products are warpgroup products (wgmma.cuh). Warpgroup 0 holds dA
+// and scale dO S^T and then dQ; warpgroup 1 holds dW and Vn dS'^T and then dK1, each as full 64 x 64 accumulators.
+// B operands (Vn^T, hT, dhT, q, k) are sw128 tiles; A operands come from registers: dO and dVn^T by ldmatrix from
+// padded tiles, Vn^T by ldmatrix from its sw128 tile, dA o E from warpgroup 0's accumulator for dQ and from shared
+// memory (transposed) for dK1.
 template <class St>
 struct QkWgCfg {
-  static constexpr int STAGES = 3, NA = 3;
+  // STAGES step tile sets (two in flight ahead of the one computed); NA slots of a head's A and gam and NQK of an
+  // item's q and k, enough that a slot is not refilled before its head's (item's) terms are done: with two steps
+  // ahead, the head (item) loading may be two past the one computed when a head (item) takes one step
+  static constexpr int STAGES = 3, NA = 3, NQK = 3;
   static constexpr int LDC = C + PadOf<St>::value;
   static constexpr int PT = static_cast<int>(sizeof(St)) * C * LDC;  // bytes of a padded 64 x 64 tile (9 KB)
   static constexpr int ST = C * 128;                                 // bytes of a sw128 64 x 64 tile (8 KB)
   // a stage: Vn^T, hT, dhT (sw128), dO, dVn^T (padded); every offset below stays on a 1024-byte boundary
   static constexpr int STAGE_BYTES = 3 * ST + 2 * PT;
-  static constexpr int QK_OFF = STAGES * STAGE_BYTES;  // q, k (sw128)
-  static constexpr int DAE_OFF = QK_OFF + 2 * ST;      // dA o E (padded)
+  static constexpr int QK_OFF = STAGES * STAGE_BYTES;  // [NQK] (q, k) pairs (sw128)
+  static constexpr int DAE_OFF = QK_OFF + NQK * 2 * ST;  // dA o E (padded)
   static constexpr int A_OFF = DAE_OFF + PT;           // [NA] A tiles (padded)
   static constexpr int F_OFF = A_OFF + NA * PT;        // gam slots, row and column sums
   static_assert(STAGE_BYTES % 1024 == 0 && PT % 1024 == 0, "1024-byte boundaries of the sw128 tiles");
@@ -326,11 +349,9 @@ struct QkWgCfg {
 template <class St>
 __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
   using F = QkWgCfg<St>;
-  constexpr int LDC = F::LDC, STAGES = F::STAGES, NA = F::NA, ST = F::ST, PT = F::PT;
+  constexpr int LDC = F::LDC, STAGES = F::STAGES, NA = F::NA, NQK = F::NQK, ST = F::ST, PT = F::PT;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  unsigned char* qs = smem + F::QK_OFF;
-  unsigned char* ksm = qs + ST;
   St* dAEs = reinterpret_cast<St*>(smem + F::DAE_OFF);
   St* Aslots = reinterpret_cast<St*>(smem + F::A_OFF);
   float* gslots = reinterpret_cast<float*>(smem + F::F_OFF);  // [NA][64]
@@ -339,36 +360,51 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
   float* colB = rowK + 64;         // [4][64]
   float* sdots = colB + 256;       // [8]
 
-  const int kb = blockIdx.x % (p.K / 64), c = (blockIdx.x / (p.K / 64)) % p.NC, h = blockIdx.x / ((p.K / 64) * p.NC);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
   const int wg = warp >> 2, rg = warp & 3;
-  const ChunkInfo ci = chunk_info(p, c);
   const int K = p.K, V = p.V;
   const int64_t HK = static_cast<int64_t>(p.H) * K;
   const int nvt = V / 64, nsteps = p.G * nvt;
+  // this CTA's items: blockIdx.x + n gridDim.x, n < nitems; steps t = n nsteps + (gi nvt + vt)
+  const int nitems = (qk_items(p) - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1;
+  const int total = nitems * nsteps;
 
-  // Step s is V tile vt = s % nvt of value head gi = s / nvt, in stage s % STAGES (all three counted, not divided).
-  // In every tensor a step's tiles follow the previous step's a constant stride on (a head's V tiles, then the next
+  // Issue side. Step s is V tile vt of value head gi of an item, in stage s % STAGES (counted, not divided). Within an
+  // item a step's tiles follow the previous step's a constant stride in every tensor (a head's V tiles, then the next
   // head's), and each thread copies the same positions of every 64 x 64 tile: rows r0 and r0 + 32 (r0 = tid / 8) of
-  // the 16-byte column cv = tid % 8. So its shared offsets are computed once and its sources (row r0) advance by
-  // constants. dO's rows past the chunk are zero-filled (their source address then dO's tile, as in load_tile).
+  // the 16-byte column cv = tid % 8. So its shared offsets are computed once and its sources (row r0) are set at an
+  // item's first step and advance by constants. dO's rows past the chunk are zero-filled (their source address then
+  // dO's tile, as in load_tile).
   const int r0 = tid >> 3, cv = tid & 7;
   const uint32_t s_sw = smem_u32(smem) + r0 * 128 + ((cv ^ (r0 & 7)) << 4);  // sw128 (row r0 + 32: same swizzle)
   const uint32_t s_pd = smem_u32(smem) + 3 * ST + (r0 * LDC + cv * 8) * static_cast<int>(sizeof(St));  // padded
   constexpr int PROW = 32 * LDC * static_cast<int>(sizeof(St));  // row r0 + 32 of a padded tile
-  const int64_t chv0 = static_cast<int64_t>(c) * p.HV + h * p.G;  // the group's first value head
-  const St* vn = static_cast<const St*>(p.VnT) + chv0 * V * C + 8 * tid;  // (rows of C: r0 C + 8 cv = 8 tid)
-  const St* dvn = static_cast<const St*>(p.dVnT) + chv0 * V * C + 8 * tid;
-  const St* ht = static_cast<const St*>(p.hT) + chv0 * V * K + kb * 64 + r0 * K + cv * 8;
-  const St* dht = static_cast<const St*>(p.dhT) + chv0 * V * K + kb * 64 + r0 * K + cv * 8;
-  const bool do_ok0 = r0 < ci.len, do_ok1 = r0 + 32 < ci.len;
-  const int64_t do_rs = static_cast<int64_t>(p.HV) * V;
-  const int64_t do_off0 = do_ok0 ? r0 * do_rs + cv * 8 : 0;
-  const int64_t do_d1 = (do_ok1 ? (r0 + 32) * do_rs + cv * 8 : 0) - do_off0;  // row r0 + 32 from row r0
-  const St* dO = static_cast<const St*>(p.d_o) + (ci.bos * p.HV + h * p.G) * V + do_off0;
-  int igi = 0, ivt = 0, ist = 0;  // (gi, vt, stage) of the next step to issue
+  const St *vn = nullptr, *dvn = nullptr, *ht = nullptr, *dht = nullptr, *dO = nullptr;
+  int64_t do_d1 = 0, ichv0 = 0;
+  bool do_ok0 = false, do_ok1 = false, ikb0 = false;
+  int iit = blockIdx.x, in_ = 0, igi = 0, ivt = 0, ist = 0, ihc = 0;  // (item, its local index n, gi, vt, stage, head)
 
   auto issue_next = [&]() {
+    if (igi == 0 && ivt == 0) {  // an item's first step: its sources, and its q and k to slot n % NQK
+      const QkItem w = qk_item(p, iit);
+      const int64_t kcol = w.kb * 64 + r0 * K + cv * 8;
+      vn = static_cast<const St*>(p.VnT) + w.chv0 * V * C + 8 * tid;  // (rows of C: r0 C + 8 cv = 8 tid)
+      dvn = static_cast<const St*>(p.dVnT) + w.chv0 * V * C + 8 * tid;
+      ht = static_cast<const St*>(p.hT) + w.chv0 * V * K + kcol;
+      dht = static_cast<const St*>(p.dhT) + w.chv0 * V * K + kcol;
+      do_ok0 = r0 < w.ci.len;
+      do_ok1 = r0 + 32 < w.ci.len;
+      const int64_t do_rs = static_cast<int64_t>(p.HV) * V;
+      const int64_t do_off0 = do_ok0 ? r0 * do_rs + cv * 8 : 0;
+      do_d1 = (do_ok1 ? (r0 + 32) * do_rs + cv * 8 : 0) - do_off0;  // row r0 + 32 from row r0
+      dO = static_cast<const St*>(p.d_o) + (w.ci.bos * p.HV + w.h * p.G) * V + do_off0;
+      ichv0 = w.chv0;
+      ikb0 = w.kb == 0;
+      unsigned char* qk = smem + F::QK_OFF + (in_ % NQK) * 2 * ST;
+      const int64_t qoff = w.ci.bos * HK + w.h * K + w.kb * 64;
+      load_tile_sw128<St, C, C, C, 256>(qk, 0, static_cast<const St*>(p.q) + qoff, HK, w.ci.len, tid);
+      load_tile_sw128<St, C, C, C, 256>(qk + ST, 0, static_cast<const St*>(p.k) + qoff, HK, w.ci.len, tid);
+    }
     const uint32_t sw = s_sw + ist * F::STAGE_BYTES, pd = s_pd + ist * F::STAGE_BYTES;
     cp_async16(sw, vn, true);
     cp_async16(sw + 4096, vn + 32 * C, true);
@@ -380,10 +416,10 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
     cp_async16(pd + PROW, dO + do_d1, do_ok1);
     cp_async16(pd + PT, dvn, true);
     cp_async16(pd + PT + PROW, dvn + 32 * C, true);
-    if (ivt == 0) {  // the head's A (first K block only) and gam, to slot gi % NA
-      const int64_t chv = chv0 + igi;
-      const int slot = igi % NA;
-      if (kb == 0) {
+    if (ivt == 0) {  // the head's A (first K block only) and gam, to slot ihc % NA
+      const int64_t chv = ichv0 + igi;
+      const int slot = ihc % NA;
+      if (ikb0) {
         const uint32_t sa = s_pd - 3 * ST + F::A_OFF + slot * PT;  // (padded, like dO's)
         const St* ag = static_cast<const St*>(p.A) + chv * C * C + 8 * tid;
         cp_async16(sa, ag, true);
@@ -397,16 +433,16 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
     dht += 64 * K;
     dO += 64;
     ist = ist == STAGES - 1 ? 0 : ist + 1;
-    if (++ivt == nvt) ivt = 0, ++igi;
+    if (++ivt == nvt) {
+      ivt = 0;
+      ++ihc;
+      if (++igi == p.G) igi = 0, iit += gridDim.x, ++in_;
+    }
   };
 
-  load_tile_sw128<St, C, C, C, 256>(qs, 0, static_cast<const St*>(p.q) + ci.bos * HK + h * K + kb * 64, HK, ci.len,
-                                    tid);
-  load_tile_sw128<St, C, C, C, 256>(ksm, 0, static_cast<const St*>(p.k) + ci.bos * HK + h * K + kb * 64, HK, ci.len,
-                                    tid);
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {  // (q and k ride with step 0)
-    if (s < nsteps) issue_next();
+  for (int s = 0; s < STAGES - 1; ++s) {  // (an item's q and k ride with its first step)
+    if (s < total) issue_next();
     cp_async_commit();
   }
 
@@ -415,16 +451,18 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
   zero_acc(run);
   float sdot = 0.f;
 
-  int cgi = 0, cvt = 0, cst = 0;  // (gi, vt, stage) of the step computed next
+  // compute side: the item (w, its local index cn), and (gi, vt, stage, head) of the step computed next
+  QkItem w = qk_item(p, blockIdx.x);
+  int cit = blockIdx.x, cn = 0, cgi = 0, cvt = 0, cst = 0, chc = 0;
 #pragma unroll 1
-  for (int s = 0; s < nsteps; ++s) {
-    const int gi = cgi, vt = cvt, st = cst, hv = h * p.G + gi;
+  for (int s = 0; s < total; ++s) {
+    const int gi = cgi, vt = cvt, st = cst, hc = chc, hv = w.h * p.G + gi;
     cst = st == STAGES - 1 ? 0 : st + 1;
-    if (++cvt == nvt) cvt = 0, ++cgi;
+    if (++cvt == nvt) cvt = 0, ++cgi, ++chc;
     cp_async_wait<STAGES - 2>();  // step s has landed (one group per step after it)
     fence_async_smem();           // its tiles are read by wgmma next
     __syncthreads();              // ... for every thread; and every thread is done with step s - 1's stage
-    if (s + STAGES - 1 < nsteps) issue_next();
+    if (s + STAGES - 1 < total) issue_next();
     cp_async_commit();  // (an empty group past the last step keeps the count)
     if (vt == 0) sdot = 0.f;
     const unsigned char* b = smem + st * F::STAGE_BYTES;
@@ -482,8 +520,10 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
 
     // the head's last V tile is in: its element-wise terms (element [nt][e] at row i = 16 rg + g8 + 8 (e >> 1),
     // column 8 nt + 2q + (e & 1): j for dA, k in the block otherwise)
-    const St* As = Aslots + (gi % NA) * C * LDC;
-    const float* gam = gslots + (gi % NA) * 64;
+    const unsigned char* qs = smem + F::QK_OFF + (cn % NQK) * 2 * ST;
+    const unsigned char* ksm = qs + ST;
+    const St* As = Aslots + (hc % NA) * C * LDC;
+    const float* gam = gslots + (hc % NA) * 64;
     const float gL = gam[C - 1];
     if (wg == 0) {
       float rA[2] = {0.f, 0.f}, cB[8][2];
@@ -502,7 +542,7 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
             const bool low = i >= col;
             const float dav = low ? p.scale * acc0[nt][e] : 0.f;
             const float E = low ? __expf(gi_ - gam[col]) : 0.f;
-            if (kb == 0) {
+            if (w.kb == 0) {
               const float t = dav * to_f<St>(As[i * LDC + col]);
               rA[hr] += t;
               cB[nt][e1] += t;
@@ -521,7 +561,7 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
         rA[hr] += __shfl_xor_sync(0xffffffffu, rA[hr], 2);
         if (q == 0) rowA[16 * rg + g8 + 8 * hr] = rA[hr];
       }
-      if (kb == 0) {
+      if (w.kb == 0) {
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -551,7 +591,8 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
             acc0[nt][e] = -acc0[nt][e];  // dW = -dVn S^T
           }
         }
-      store_frag_rows<St, 8>(static_cast<St*>(p.dW) + ((chv0 + gi) * C + 16 * rg) * K + kb * 64, K, acc0, g8, q);
+      store_frag_rows<St, 8>(static_cast<St*>(p.dW) + ((w.chv0 + gi) * C + 16 * rg) * K + w.kb * 64, K, acc0, g8,
+                             q);
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         rK[hr] += __shfl_xor_sync(0xffffffffu, rK[hr], 1);
@@ -580,36 +621,44 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
       for (int kk = 0; kk < 4; ++kk) wgmma_rs<St, 1>(run, ea[kk], d2 + kk * (2048 >> 4), 1);
       wg_commit();
     }
-    qk_dgam_rows<1>(p, kb, c, hv, gL, rowA, rowK, colB, sdots, tid);
+    qk_dgam_rows<1>(p, w.kb, w.c, hv, gL, rowA, rowK, colB, sdots, tid);
     wg_wait<0>();
     wg_fence_acc(run);
     // (the next writes of dAEs and the sums come after the next step's barrier)
-  }
+    if (gi + 1 < p.G) continue;
 
-  // store dq (warpgroup 0: input dtype, or fp32 with grad_f32) and the first part of dk (warpgroup 1: fp32)
+    // the item's last step: store dq (warpgroup 0: input dtype, or fp32 with grad_f32) and the first part of dk
+    // (warpgroup 1: fp32), then move to the next item
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int i = 16 * rg + g8 + 8 * hr;
-      if (i < ci.len) {
-        const int64_t off = (ci.bos + i) * HK + h * K + kb * 64 + 8 * nt + 2 * q;
-        if (wg == 0) st2_grad<St>(p.dq, off, run[nt][2 * hr], run[nt][2 * hr + 1], p.grad_f32);
-        else st2<float>(p.dk1 + off, run[nt][2 * hr], run[nt][2 * hr + 1]);
+      for (int hr = 0; hr < 2; ++hr) {
+        const int i = 16 * rg + g8 + 8 * hr;
+        if (i < w.ci.len) {
+          const int64_t off = (w.ci.bos + i) * HK + w.h * K + w.kb * 64 + 8 * nt + 2 * q;
+          if (wg == 0) st2_grad<St>(p.dq, off, run[nt][2 * hr], run[nt][2 * hr + 1], p.grad_f32);
+          else st2<float>(p.dk1 + off, run[nt][2 * hr], run[nt][2 * hr + 1]);
+        }
       }
-    }
+    zero_acc(run);
+    cgi = 0;
+    ++cn;
+    cit += gridDim.x;
+    if (cn < nitems) w = qk_item(p, cit);
+  }
 }
 
 // (a template, so that the kernel of the other branch is never named for this St)
 template <class St>
 void launch_grad_qk_t(const Params& p, void* stream) {
-  auto go = [&](auto kern, size_t bytes) {
+  auto go = [&](auto kern, size_t bytes, int ctas) {
     GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), bytes));
-    kern<<<dim3(p.NC * p.H * (p.K / 64)), 256, bytes, static_cast<cudaStream_t>(stream)>>>(p);
+    kern<<<dim3(ctas), 256, bytes, static_cast<cudaStream_t>(stream)>>>(p);
     GD_CUDA_LAUNCH_CHECK();
   };
-  if constexpr (HasWgmma<St>::value) go(grad_qk_wg_kernel<St>, QkWgCfg<St>::bytes);
-  else go(grad_qk_kernel<St>, QkCfg<St>::bytes);
+  const int items = qk_items(p);
+  if constexpr (HasWgmma<St>::value) go(grad_qk_wg_kernel<St>, QkWgCfg<St>::bytes, std::min(items, p.sms));
+  else go(grad_qk_kernel<St>, QkCfg<St>::bytes, items);
 }
 
 void launch_grad_qk(const Params& p, DType dtype, void* stream) {

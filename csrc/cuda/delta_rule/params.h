@@ -48,6 +48,7 @@ struct Params {
   int segs_per_seq;      // units per sequence (equal-length)
   int tile32;            // state kernels: 32-column tiles of the state (more CTAs) instead of 64
   int prep_heads;        // value heads per preparation CTA (a divisor of G; they share K K^T and Q K^T)
+  int sms;               // the device's SMs (persistent kernels launch at most one CTA per SM)
 
   // inputs
   const void* q;
