@@ -334,15 +334,19 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// chunk_lnorm formed by the 128 threads of a CTA (prep_residual_kernel below, one chunk per CTA): thread t sums
-// the squares of half of row t / 2 of k, the pair adds its halves (|k_t|^2 keeps its rounding bound: a sum of
-// non-negative fp32 terms in any order), the warps' sums meet in red (4 floats of shared memory). Every thread of
-// the CTA calls it and gets the bound.
+// The backward's warm-up bounds where the forward kept its residual (fwd_with_residual: A, gam and Tm, which the
+// state passes read, applying diag(beta) to Tm themselves): chunk_lnorm of every chunk and value head into p.lnorm,
+// launched with segments only. One CTA of 4 warps per (chunk, q/k head), which reads the chunk's keys once for the
+// value heads of the group: thread t sums the squares of half of row t / 2 of k, the pair adds its halves (|k_t|^2
+// keeps its rounding bound: a sum of non-negative fp32 terms in any order). Then for each value head the even thread
+// of the pair adds its row's term, and the warps' sums meet in red (4 floats per value head).
 template <class St, int K>
-__device__ __forceinline__ float chunk_lnorm_cta(const Params& p, int c, int h, int hv, float* red) {
+__global__ void __launch_bounds__(128) prep_residual_kernel(const Params p) {
   constexpr int E = 16 / sizeof(St), NV = K / E / 2;  // 16-byte loads per half row
   static_assert(NV >= 1, "a half row is at least one 16-byte load");
-  const int tid = threadIdx.x, row = tid >> 1;
+  extern __shared__ float red[];  // [G][4]
+  const int h = blockIdx.x % p.H, c = blockIdx.x / p.H;
+  const int tid = threadIdx.x, row = tid >> 1, warp = tid >> 5;
   const ChunkInfo ci = chunk_info(p, c);
   float kn = 0.f;
   if (row < ci.len) {
@@ -350,27 +354,22 @@ __device__ __forceinline__ float chunk_lnorm_cta(const Params& p, int c, int h, 
     kn = sq_norm16<St, NV, NV>(kr + (tid & 1) * NV);
   }
   kn += __shfl_xor_sync(0xffffffffu, kn, 1);
-  float s = 0.f;
-  if ((tid & 1) == 0 && row < ci.len) {
-    const int64_t i = (ci.bos + row) * p.HV + hv;
-    s = p.g[i];
-    add_log_stretch(s, load_as_float(p.beta, p.beta_dtype, i) * kn);
+  const bool mine = (tid & 1) == 0 && row < ci.len;
+  const int64_t i0 = (ci.bos + row) * p.HV + h * p.G;  // (row, the group's first value head)
+#pragma unroll 1
+  for (int gi = 0; gi < p.G; ++gi) {
+    float s = 0.f;
+    if (mine) {
+      s = p.g[i0 + gi];
+      add_log_stretch(s, load_as_float(p.beta, p.beta_dtype, i0 + gi) * kn);
+    }
+    s = warp_sum(s);
+    if ((tid & 31) == 0) red[4 * gi + warp] = s;
   }
-  s = warp_sum(s);
-  if ((tid & 31) == 0) red[tid >> 5] = s;
   __syncthreads();
-  return (red[0] + red[1]) + (red[2] + red[3]);
-}
-
-// The backward's warm-up bounds where the forward kept its residual (fwd_with_residual: A, gam and Tm, which the
-// state passes read, applying diag(beta) to Tm themselves): one CTA of 4 warps per (chunk, value head) forms the
-// chunk's bound (chunk_lnorm_cta: all four warps read the keys) into p.lnorm. Launched with segments only.
-template <class St, int K>
-__global__ void __launch_bounds__(128) prep_residual_kernel(const Params p) {
-  const int hv = blockIdx.x % p.HV, c = blockIdx.x / p.HV, h = hv / p.G;
-  __shared__ float red[4];
-  const float x = chunk_lnorm_cta<St, K>(p, c, h, hv, red);
-  if (threadIdx.x == 0) p.lnorm[static_cast<int64_t>(c) * p.HV + hv] = x;
+  for (int gi = tid; gi < p.G; gi += 128)
+    p.lnorm[static_cast<int64_t>(c) * p.HV + h * p.G + gi] = (red[4 * gi] + red[4 * gi + 1]) +
+                                                            (red[4 * gi + 2] + red[4 * gi + 3]);
 }
 
 void launch_prep_residual(const Params& p, DType dtype, void* stream) {
@@ -379,7 +378,8 @@ void launch_prep_residual(const Params& p, DType dtype, void* stream) {
   GD_DTYPE_SWITCH(dtype, St, [&] {
     if constexpr (sizeof(St) == 2) {  // (a residual is kept for 16-bit inputs only: forms_wu)
       GD_HEADK_SWITCH(p.K, KC, [&] {
-        prep_residual_kernel<St, KC><<<dim3(p.NC * p.HV), 128, 0, static_cast<cudaStream_t>(stream)>>>(p);
+        prep_residual_kernel<St, KC><<<dim3(p.NC * p.H), 128, 4 * p.G * sizeof(float),
+                                       static_cast<cudaStream_t>(stream)>>>(p);
         GD_CUDA_LAUNCH_CHECK();
       });
     }
