@@ -47,6 +47,10 @@ CASES = {
     "qk_items_varlen": (1, 3000, 4, 8, 128, 128, True, [0, 1, 64, 1000, 1001, 3000], False),
     "qk_items_G1_V128": (1, 2000, 4, 4, 128, 128, False, None, False),
     "qk_items_G1_V64": (1, 2000, 8, 8, 64, 64, True, None, False),
+    # grad_qk's 16-bit kernel runs at most one CTA per SM, each walking its items as one pipeline: 65 chunks x 8 q/k
+    # heads x 2 blocks = 1040 items, about 8 per CTA on an H200, one step each (so that the steps in flight reach
+    # two items past the one computed, and every slot of q / k and of a head's A and gam is refilled)
+    "qk_items_persistent": (1, 4100, 8, 8, 128, 64, True, None, False),
 }
 
 _REF_CACHE = {}
