@@ -1,9 +1,10 @@
 // Chunk-parallel gradient kernels of the backward (docs/algorithms.md, "Backward of one chunk"), given the states
 // entering each chunk (hT), the state gradients leaving it (dhT), Vn^T and dVn^T from the two sequential passes.
 //
-// grad_qk: one CTA (8 warps) per (chunk, q/k head, 64-wide block of K); it walks the value heads of the group
-// (summing dq and the first part of dk in registers: deterministic) and 64-wide tiles of V as one pipeline of
-// (head, V tile) steps, the tiles of the next two steps in flight across head boundaries:
+// grad_qk: per work item (chunk, q/k head, 64-wide block of K), 8 warps walk the value heads of the group (summing
+// dq and the first part of dk in registers: deterministic) and 64-wide tiles of V as one pipeline of (head, V tile)
+// steps, the tiles of the next two steps in flight across head boundaries (for 16-bit inputs, across items too: a
+// persistent CTA per SM walks its items as one pipeline; fp32 runs one CTA per item):
 //   dA = scale dO Vn^T (masked i >= j)      dQ = scale diag(e^gam) dO S^T + (dA o E) K
 //   dK1 = (dA o E)^T Q + diag(e^{gam_L - gam}) Vn dS'^T            dW = -dVn S^T
 //   and the partial gradient of gam (per block of K). For 16-bit inputs the products are warpgroup products
