@@ -463,8 +463,6 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
     cp_async_wait<STAGES - 2>();  // step s has landed (one group per step after it)
     fence_async_smem();           // its tiles are read by wgmma next
     __syncthreads();              // ... for every thread; and every thread is done with step s - 1's stage
-    if (s + STAGES - 1 < total) issue_next();
-    cp_async_commit();  // (an empty group past the last step keeps the count)
     if (vt == 0) sdot = 0.f;
     const unsigned char* b = smem + st * F::STAGE_BYTES;
     const unsigned char* VnTs = b;
@@ -499,6 +497,10 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
       wgmma_rs<St, 1>(acc1, a1[kk], dhi | (d1 + kk * (2048 >> 4)), vt > 0 || kk > 0);
     }
     wg_commit();
+    // the copies of step s + STAGES - 1 while the products run (into the stage of step s - 1, which every thread is
+    // done with: the barrier above)
+    if (s + STAGES - 1 < total) issue_next();
+    cp_async_commit();  // (an empty group past the last step keeps the count)
     // sum(hT o dhT) meanwhile: the two sw128 tiles share one layout, so equal byte offsets hold equal positions
     {
       const uint4* x = reinterpret_cast<const uint4*>(hTs) + 2 * tid;
