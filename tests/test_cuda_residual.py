@@ -112,6 +112,41 @@ def test_autograd_reads_the_residual():
         assert torch.equal(a, b)
 
 
+def test_backward_peak_memory():
+    """The backward's peak is the larger of its two phases: while grad_qk runs, the workspace, hT and Vn^T (in an
+    allocation of their own) and dq; while grad_wy runs, the workspace and the gradients, allocated once hT and Vn^T
+    are released. dW has no buffer: it lives in dhT's tiles. (The default path: bf16, from the residual, with
+    64-column state tiles and no segments.)"""
+    from gated_delta import gated_delta_rule
+
+    B, T, H, HV, K, V = 4, 512, 4, 32, 128, 128
+    es, fs, nc = 2, 4, B * T // 64
+    up = lambda x: (x + 255) // 256 * 256  # noqa: E731  (the workspace's regions)
+    blk = lambda x: (x + 511) // 512 * 512  # noqa: E731  (the caching allocator's blocks)
+    ws = blk(up(nc * HV * V * K * es) + up(nc * HV * V * 64 * es) + up(K // 64 * nc * HV * 64 * fs)
+             + up(B * T * H * K * fs))  # dhT (and dW), dVn^T, dgam1, dk1
+    states = blk(up(nc * HV * V * K * es) + up(nc * HV * V * 64 * es))  # hT, Vn^T
+    dq = dk = blk(B * T * H * K * es)
+    rest = dk + blk(B * T * HV * V * es) + blk(B * T * HV * fs) + blk(B * T * HV * es)  # dk, dv, dg, dbeta
+    dW = nc * HV * 64 * K * es  # (what a buffer of its own would take)
+
+    inp = make_inputs(B, T, H, HV, K, V, torch.bfloat16, h0=False)
+    _, _, res = torch.ops.gated_delta.fwd_with_residual(*_op_args(inp, K ** -0.5))
+    assert res.numel() == _expected_bytes(B, T, HV, K, None, es)  # (the layout the sizes below are for)
+    leaves = [inp[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    o, _ = gated_delta_rule(*leaves)
+    d_o = torch.randn_like(o)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    grads = torch.autograd.grad(o, leaves, d_o)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    # (a buffer of dW's own, or the gradients allocated beside hT and Vn^T, would each add more than this margin)
+    assert peak <= max(ws + states + dq, ws + dq + rest) + min(dW, rest - dq) // 2, (peak, ws, states, dq, rest)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
 def test_residual_only_where_the_backward_takes_it():
     """fp32 inputs, K = 256 and the scan keep no residual (their backward needs prep's W and U); a residual of the
     wrong size is refused."""

@@ -322,6 +322,9 @@ class Workspace {
   };
   int64_t size() const { return size_; }
   void allocate(const at::TensorOptions& like) { buf_ = at::empty({std::max<int64_t>(size_, 1)}, like.dtype(at::kByte)); }
+  // Gives the bytes back to the caching allocator once the kernels launched so far are done with them (stream order):
+  // what is allocated next on the stream may reuse them.
+  void release() { buf_.reset(); }
   template <class T = void> T* ptr(int64_t off) const {
     return off == kNone ? nullptr : reinterpret_cast<T*>(static_cast<unsigned char*>(buf_.data_ptr()) + off);
   }
@@ -335,33 +338,29 @@ class Workspace {
 struct Regions {
   static constexpr int64_t n = Workspace::kNone;
   int64_t W = n, U = n, A = n, gam = n, Tm = n, TmB = n, lnorm = n, seg_ok = n, segmap = n, segstate = n, hT = n,
-          VnT = n, dhT = n, dVnT = n, dW = n, dgam1 = n, dk1 = n;
+          VnT = n, dhT = n, dVnT = n, dgam1 = n, dk1 = n;
 };
 
 // The layout of the workspace. Forward: the preparation's A, gam, and W, U or Tm diag(beta) (where the state passes
 // form W and U themselves, forms_wu; the scan's maps still read W and U); the warm-up's per-chunk norm bounds and
 // per-segment proofs; the scan's maps and unit states. The backward adds Tm, the states and gradients stored per
-// chunk, and the chunk-parallel kernels' partial sums. Regions with disjoint lifetimes share bytes: W or
-// Tm diag(beta) (state passes) with dW (chunk-parallel kernels), U (first state pass) with dVn^T (written by the
-// reverse pass), and the scan's scratch (state passes) with dgam1 and dk1 (chunk-parallel kernels). dk1 has a
-// region of its own only when dk itself is not fp32 (grad_f32).
+// chunk, and the chunk-parallel kernels' partial sums. Regions with disjoint lifetimes share bytes: U (first state
+// pass) with dVn^T (written by the reverse pass), and the scan's scratch (state passes) with dgam1 and dk1
+// (chunk-parallel kernels). dW has no region: it lives in dhT's tiles (Params::dW). dk1 has a region of its own only
+// when dk itself is not fp32 (grad_f32).
+// The backward's hT and Vn^T go to states instead, a workspace of their own: grad_qk reads them last, so the
+// backward releases it before it allocates the gradients that grad_wy writes, which can then take its bytes.
 // in_residual: A, gam and (backward) Tm live in the residual instead (residual_regions), and the backward's state
 // passes apply diag(beta) to Tm themselves (Params::fold_beta): no Tm diag(beta).
-Regions plan_workspace(Workspace& ws, const Call& c, bool backward, bool dk1_own, bool in_residual = false) {
+Regions plan_workspace(Workspace& ws, Workspace* states, const Call& c, bool backward, bool dk1_own,
+                       bool in_residual = false) {
   const int64_t NC = c.L.NC, HV = c.p.HV, K = c.p.K, V = c.p.V, units = c.L.num_units;
   const int64_t es = c.in.q.element_size(), fs = sizeof(float);
   Regions r;
   const bool form_wu = cuda::forms_wu(c.dt, c.p.K, c.p.tile32, backward);
   const bool wu = !form_wu || c.L.scan;  // (the scan's maps read W and U, its second pass Tm diag(beta))
-  {
-    Workspace::Union u(ws);
-    if (wu) r.W = ws.take(NC * HV * kC * K * es);
-    if (form_wu && !wu && !(backward && in_residual)) r.TmB = ws.take(NC * HV * kC * kC * es);
-    if (backward) {
-      u.next();
-      r.dW = ws.take(NC * HV * kC * K * es);
-    }
-  }
+  if (wu) r.W = ws.take(NC * HV * kC * K * es);
+  if (form_wu && !wu && !(backward && in_residual)) r.TmB = ws.take(NC * HV * kC * kC * es);
   if (form_wu && wu) r.TmB = ws.take(NC * HV * kC * kC * es);
   if (!in_residual) {
     r.A = ws.take(NC * HV * kC * kC * es);
@@ -373,8 +372,8 @@ Regions plan_workspace(Workspace& ws, const Call& c, bool backward, bool dk1_own
   }
   if (backward) {
     if (!in_residual) r.Tm = ws.take(NC * HV * kC * kC * es);
-    r.hT = ws.take(NC * HV * V * K * es);
-    r.VnT = ws.take(NC * HV * V * kC * es);
+    r.hT = states->take(NC * HV * V * K * es);
+    r.VnT = states->take(NC * HV * V * kC * es);
     r.dhT = ws.take(NC * HV * V * K * es);
   }
   {
@@ -400,7 +399,7 @@ Regions plan_workspace(Workspace& ws, const Call& c, bool backward, bool dk1_own
   return r;
 }
 
-// Points the kernels' parameters at the workspace's regions.
+// Points the kernels' parameters at the workspace's regions (the backward's hT and Vn^T: at states').
 void bind(Params& p, const Workspace& ws, const Regions& r) {
   p.W = ws.ptr(r.W);
   p.U = ws.ptr(r.U);
@@ -412,8 +411,6 @@ void bind(Params& p, const Workspace& ws, const Regions& r) {
   p.seg_ok = ws.ptr<int>(r.seg_ok);
   p.segmap = ws.ptr<float>(r.segmap);
   p.segstate = ws.ptr<float>(r.segstate);
-  p.hT = ws.ptr(r.hT);
-  p.VnT = ws.ptr(r.VnT);
 }
 
 // ---- the residual a forward keeps for its backward (fwd_with_residual) ----
@@ -601,7 +598,7 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state, bool k
     return out;
   }
   Workspace ws;
-  const Regions r = plan_workspace(ws, c, /*backward=*/false, /*dk1_own=*/false, out.residual.defined());
+  const Regions r = plan_workspace(ws, nullptr, c, /*backward=*/false, /*dk1_own=*/false, out.residual.defined());
   ws.allocate(c.opts);
   bind(c.p, ws, r);
   if (out.residual.defined()) bind_residual(c.p, out.residual, rr);  // (prep writes A, gam and Tm there)
@@ -648,10 +645,13 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
     TORCH_CHECK(a.residual.numel() == rr.bytes, "residual must be what fwd_with_residual returned for these inputs: "
                 "expected ", rr.bytes, " bytes, got ", a.residual.numel());
   }
-  Workspace ws;
-  const Regions r = plan_workspace(ws, c, /*backward=*/true, /*dk1_own=*/!p.grad_f32, from_residual);
+  Workspace ws, states;
+  const Regions r = plan_workspace(ws, &states, c, /*backward=*/true, /*dk1_own=*/!p.grad_f32, from_residual);
   ws.allocate(c.opts);
+  states.allocate(c.opts);
   bind(p, ws, r);
+  p.hT = states.ptr(r.hT);
+  p.VnT = states.ptr(r.VnT);
   if (from_residual) {  // A, gam and Tm from the forward; the state passes apply diag(beta) to Tm themselves
     bind_residual(p, a.residual, rr);
     p.fold_beta = 1;
@@ -673,26 +673,30 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   run_state_pass(c, /*reverse=*/true, /*mode=*/0, dht.defined() ? dht.data_ptr<float>() : nullptr,
                  dh0.defined() ? dh0.data_ptr<float>() : nullptr);
   p.segmap = p.segstate = nullptr;  // (their region now holds dgam1, dk1)
-  p.W = p.TmB = nullptr;             // (their region now holds dW)
+  p.W = p.TmB = nullptr;
 
-  // chunk-parallel gradients
-  p.dW = ws.ptr(r.dW);
+  // chunk-parallel gradients: grad_qk writes dq and dk1 (with grad_f32 dk itself) and dW into dhT's tiles, and
+  // reads hT and Vn^T for the last time; the gradients only grad_wy writes are allocated after states' release
+  p.dW = p.dhT;
   p.dgam1 = ws.ptr<float>(r.dgam1);
   CoreGrads gr;
   const auto gopts = p.grad_f32 ? c.fopts : c.opts;
   gr.dq = at::empty(c.in.q.sizes(), gopts);
-  gr.dk = at::empty(c.in.k.sizes(), gopts);
+  if (p.grad_f32) gr.dk = at::empty(c.in.k.sizes(), gopts);
+  p.dq = gr.dq.data_ptr();
+  p.dk1 = p.grad_f32 ? gr.dk.data_ptr<float>() : ws.ptr<float>(r.dk1);
+  cuda::launch_grad_qk(p, c.dt, c.stream);
+  states.release();
+  p.hT = p.VnT = nullptr;
+  if (!p.grad_f32) gr.dk = at::empty(c.in.k.sizes(), gopts);
   gr.dv = at::empty(c.in.v.sizes(), gopts);
   gr.dg = at::empty(c.in.g.sizes(), c.fopts);
   gr.dbeta = at::empty(c.in.beta.sizes(), a.dbeta_in_beta_dtype ? c.in.beta.options() : c.fopts);
-  p.dq = gr.dq.data_ptr();
-  p.dk1 = p.grad_f32 ? gr.dk.data_ptr<float>() : ws.ptr<float>(r.dk1);
   p.dk = gr.dk.data_ptr();
   p.dv = gr.dv.data_ptr();
   p.dg = gr.dg.data_ptr<float>();
   p.dbeta = gr.dbeta.data_ptr();
   p.dbeta_dtype = cuda::dtype_of(gr.dbeta.scalar_type(), "dbeta");
-  cuda::launch_grad_qk(p, c.dt, c.stream);
   cuda::launch_grad_wy(p, c.dt, c.stream);
   gr.d_initial_state = dh0;
   return gr;
