@@ -346,7 +346,7 @@ struct Regions {
 // per-segment proofs; the scan's maps and unit states. The backward adds Tm, the states and gradients stored per
 // chunk, and the chunk-parallel kernels' partial sums. Regions with disjoint lifetimes share bytes: U (first state
 // pass) with dVn^T (written by the reverse pass), and the scan's scratch (state passes) with dgam1 and dk1
-// (chunk-parallel kernels). dW has no region: it lives in dhT's tiles (Params::dW). dk1 has a region of its own only
+// (chunk-parallel kernels). dW has no region: it lives in dhT's tiles (params.h). dk1 has a region of its own only
 // when dk itself is not fp32 (grad_f32).
 // The backward's hT and Vn^T go to states instead, a workspace of their own: grad_qk reads them last, so the
 // backward releases it before it allocates the gradients that grad_wy writes, which can then take its bytes.
@@ -673,11 +673,9 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   run_state_pass(c, /*reverse=*/true, /*mode=*/0, dht.defined() ? dht.data_ptr<float>() : nullptr,
                  dh0.defined() ? dh0.data_ptr<float>() : nullptr);
   p.segmap = p.segstate = nullptr;  // (their region now holds dgam1, dk1)
-  p.W = p.TmB = nullptr;
 
   // chunk-parallel gradients: grad_qk writes dq and dk1 (with grad_f32 dk itself) and dW into dhT's tiles, and
   // reads hT and Vn^T for the last time; the gradients only grad_wy writes are allocated after states' release
-  p.dW = p.dhT;
   p.dgam1 = ws.ptr<float>(r.dgam1);
   CoreGrads gr;
   const auto gopts = p.grad_f32 ? c.fopts : c.opts;

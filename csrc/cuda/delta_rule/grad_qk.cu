@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
     const float* gam = gslots + (gi % NA) * 64;
     float rA[2] = {0.f, 0.f}, rK[2] = {0.f, 0.f}, cB[4][2];
     const float gL = gam[C - 1];
-    St* dWg = static_cast<St*>(p.dW) + chv * V * K + kb * 64;  // (in dhT's tile: Params::dW)
+    St* dWg = static_cast<St*>(p.dhT) + chv * V * K + kb * 64;  // (dW lives in dhT's tile, params.h)
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       cB[nt][0] = cB[nt][1] = 0.f;
@@ -594,8 +594,8 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
             acc0[nt][e] = -acc0[nt][e];  // dW = -dVn S^T
           }
         }
-      store_frag_rows<St, 8>(static_cast<St*>(p.dW) + ((w.chv0 + gi) * V + 16 * rg) * K + w.kb * 64, K, acc0, g8,
-                             q);  // (in dhT's tile: Params::dW)
+      store_frag_rows<St, 8>(static_cast<St*>(p.dhT) + ((w.chv0 + gi) * V + 16 * rg) * K + w.kb * 64, K, acc0, g8,
+                             q);  // (dW lives in dhT's tile, params.h)
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         rK[hr] += __shfl_xor_sync(0xffffffffu, rK[hr], 1);

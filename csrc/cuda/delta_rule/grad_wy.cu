@@ -49,7 +49,7 @@ struct WyHead {
   __device__ __forceinline__ WyHead(const Params& p, const ChunkInfo& ci, int c, int h, int gi) {
     hv = h * p.G + gi;
     chv = static_cast<int64_t>(c) * p.HV + hv;
-    dW = static_cast<const St*>(p.dW) + chv * p.V * p.K;  // (in dhT's tile: Params::dW)
+    dW = static_cast<const St*>(p.dhT) + chv * p.V * p.K;  // (dW lives in dhT's tile, params.h)
     dVnT = static_cast<const St*>(p.dVnT) + chv * p.V * C;
     v = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V;
   }

@@ -11,9 +11,10 @@
 //   hT     [NC, HV, V, K]      transposed state entering each chunk;   dhT: transposed gradient of the state
 //                              leaving each chunk
 //   VnT    [NC, HV, V, C]      transposed corrected values;            dVnT: their gradient
-//   dW     [NC, HV, C, K]      gradient of W, at a (chunk, head) stride of V K: it lives in the first C rows of
-//                              dhT's tiles (V >= C; grad_qk's work item for a 64-column block of K reads that
-//                              block of dhT and no other, and writes the same block of dW once it has)
+//   dW     [NC, HV, C, K]      gradient of W, at a (chunk, head) stride of V K: no buffer of its own, it lives in
+//                              the first C rows of dhT's tiles (V >= C; grad_qk's work item for a 64-column block
+//                              of K reads that block of dhT and no other, and writes the same block of dW once it
+//                              has; grad_wy reads it there)
 //   dgam1  [K / 64, NC, HV, C] fp32 partial gradients of gam (one slab per 64-wide block of K)
 //   states [N or units, HV, K, V] fp32 (initial / final / segment start states)
 //   segmap [units, HV, V + K, K] fp32: rows 0..V-1 hold B^T, rows V.. hold the linear part of a segment's map
@@ -77,7 +78,6 @@ struct Params {
   void* VnT;
   void* dhT;
   void* dVnT;
-  void* dW;  // (= dhT in the chunk-parallel kernels, see the layouts above)
   float* dgam1;
 
   // state kernels: initial states (indexed by sequence or by unit), final states (by sequence), segment maps
