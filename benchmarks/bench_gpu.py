@@ -148,6 +148,16 @@ def device_time(fn, sets, calls=5):
     return statistics.median(per_call)
 
 
+def peak_extra_bytes(fn, *args):
+    """`max_memory_allocated` during one call fn(*args) minus what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn(*args)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def bench_row(row, fns, reps, nsets, skip=()):
     B, T, H, HV = row
     res = {}
@@ -171,12 +181,7 @@ def bench_row(row, fns, reps, nsets, skip=()):
         for xs, _ in bwd_sets:
             for x in xs:
                 x.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fb(*bwd_sets[0])
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
+        peak = peak_extra_bytes(fb, *bwd_sets[0])
         for x in bwd_sets[0][0]:
             x.grad = None
         res[name] = {"fwd_ms": t_f, "fwdbwd_ms": t_fb, "fwd_dev_ms": d_f, "fwdbwd_dev_ms": d_fb,

@@ -31,12 +31,7 @@ def peak_row(B, T, H, HV):
         fb()
     for x in xs:
         x.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fb()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base, torch.cuda.max_memory_reserved()
+    return bg.peak_extra_bytes(fb), torch.cuda.max_memory_reserved()
 
 
 def main():
