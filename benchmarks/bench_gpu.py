@@ -1,6 +1,6 @@
 """GPU benchmark of gated_delta against FlashQLA and flash-linear-attention (FLA) on the shapes of DESIGN.md section 5.
 
-bf16, K = V = 128. For each shape and implementation, in one process: forward and forward+backward
+bf16, K = V = 128 (`--head-dims K:V` for others). For each shape and implementation, in one process: forward and forward+backward
 - eager time: median of CUDA-event timings after warm-up, rotating several input sets (what a caller waits for,
   host overhead included when the host is slower than the GPU);
 - device time: the sum of the kernel durations of one call, from torch.profiler, median over several calls;
@@ -9,7 +9,7 @@ FlashQLA (`flash_qla.chunk_gated_delta_rule`) and FLA's chunk_gated_delta_rule a
 T = 1024 slice of each head configuration (the reference is the token loop, run in float64 on the GPU). Cold start
 is the wall time of a fresh process importing the package and running a first forward+backward.
 
-    python benchmarks/bench_gpu.py --out DIR [--no-fla] [--no-qla] [--reps 20] [--rows 1x32768:16:64,...]
+    python benchmarks/bench_gpu.py --out DIR [--no-fla] [--no-qla] [--reps 20] [--rows 1x32768:16:64,...] [--head-dims 256:512]
     python benchmarks/bench_gpu.py --plot-from RUN.json [RUN.json ...] --plot-to PNG     (the plot only, from runs)
 
 Writes DIR/bench_gpu.md (tables), DIR/bench_gpu.json and DIR/bench_gpu.png (device time per row, one bar per
@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 DEFAULT_ROWS = "1x32768:16:64,4x8192:16:64,1x32768:16:32,8x4096:16:32,1x8192:16:32,1x32768:2:8,1x8192:4:8"
-K = V = 128
+K = V = 128  # (--head-dims sets them before anything is made)
 IMPLS = ("ours", "qla", "fla")  # the implementations a row can hold, in table order
 PLOT_STYLE = {"ours": ("gated_delta (CUDA)", "tab:blue"), "qla": ("FlashQLA (TileLang)", "tab:orange"),
               "fla": ("FLA (Triton)", "tab:green")}  # the plot's label and colour of each
@@ -298,7 +298,7 @@ def plot(results, path, gpu):
         ax.set_ylim(top=top * 1.8)  # room for the bars' labels
         ax.set_ylabel("device ms per call (log)")
         ax.set_xlabel("B x T, H / HV")
-        ax.set_title(f"{title}, bf16, K = V = 128, {gpu}")
+        ax.set_title(f"{title}, bf16, K = {K}, V = {V}, {gpu}")
         ax.grid(True, axis="y", which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -311,7 +311,8 @@ def report(meta, note, results, errs, cold):
     """The tables of bench_gpu.md."""
     lines = [f"Date {meta['date']}; {meta['gpu']}; torch {meta['torch']} (CUDA {meta['cuda']}); "
              f"triton {meta.get('triton', '-')}; FLA {meta.get('fla', '-')}; FlashQLA {meta.get('flash_qla', '-')} "
-             f"(TileLang {meta.get('tilelang', '-')}); gated_delta {meta['gated_delta']}.",
+             f"(TileLang {meta.get('tilelang', '-')}); gated_delta {meta['gated_delta']}; bf16, K = {meta.get('K', 128)}, "
+             f"V = {meta.get('V', 128)}.",  # (runs before --head-dims: 128)
              f"Command: `{meta['command']}`.", ""]
     if note:
         lines += [f"Note: {note}.", ""]
@@ -384,6 +385,7 @@ def merge_results(paths):
 
 
 def main():
+    global K, V
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--rows", default=DEFAULT_ROWS)
@@ -391,6 +393,7 @@ def main():
     ap.add_argument("--sets", type=int, default=3)
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-qla", action="store_true", help="leave FlashQLA out")
+    ap.add_argument("--head-dims", default=f"{K}:{V}", metavar="K:V", help="head dims of q/k and of v")
     ap.add_argument("--no-errors", action="store_true")
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--no-fla-cold", action="store_true")
@@ -402,6 +405,7 @@ def main():
                          "measure nothing")
     ap.add_argument("--plot-to", default="bench_gpu.png")
     args = ap.parse_args()
+    K, V = (int(x) for x in args.head_dims.split(":"))
     if args.plot_from:
         results, gpu = merge_results(args.plot_from)
         if not plot(results, args.plot_to, gpu):
@@ -421,6 +425,8 @@ def main():
         "gated_delta": gated_delta.__version__,
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "note": note,
+        "K": K,
+        "V": V,
     }
     try:
         import triton

@@ -204,7 +204,21 @@ def _sanitize_fused():
     print("fused segments ok", all(torch.isfinite(x).all().item() for x in r.values()))
 
 
+def _sanitize_v_slices():
+    """V above 256 as slices of v's columns: 512 (two of 256, K = 256) and, on a varlen batch, 300 (five of 64, the
+    last zero-padded; K = 100 padded), each forward + backward from the residual its first slice kept."""
+    for (B, T, H, HV, K, V, cu) in ((1, 130, 1, 2, 256, 512, None), (1, 200, 2, 4, 100, 300, [0, 1, 65, 200])):
+        inp = make_inputs(B, T, H, HV, K, V, torch.bfloat16, cu_seqlens=cu)
+        N = B if cu is None else len(cu) - 1
+        d_o, d_ht = output_grads(inp, N)
+        r = run_ours(inp, d_o, d_ht)
+        torch.cuda.synchronize()
+        print("v slices", K, V, "ok", all(torch.isfinite(x).all().item() for x in r.values()))
+
+
 if __name__ == "__main__":
+    if "vslices" in sys.argv[1:]:
+        sys.exit(_sanitize_v_slices())
     if "fused" in sys.argv[1:]:
         import os
         os.environ["GATED_DELTA_FUSED_FWD"] = "1"

@@ -51,6 +51,13 @@ CASES = {
     # heads x 2 blocks = 1040 items, about 8 per CTA on an H200, one step each (so that the steps in flight reach
     # two items past the one computed, and every slot of q / k and of a head's A and gam is refilled)
     "qk_items_persistent": (1, 4100, 8, 8, 128, 64, True, None, False),
+    # V above 256 runs as slices of v's columns, each a call of its own: two of 256 (K = 256, as FLA's Gated DeltaNet
+    # layer by default); three of 128 on a grid that takes the one-kernel forward and keeps its residual, which
+    # every slice's backward reads; five of 64 where V is no multiple of 64 (the last slice zero-padded), with K
+    # padded, grouped heads, varlen and the in-kernel options
+    "V512_K256": (1, 130, 1, 2, 256, 512, True, None, False),
+    "V384_fused": (2, 130, 8, 32, 128, 384, True, None, False),
+    "V300_K100_varlen": (1, 200, 2, 4, 100, 300, True, [0, 1, 65, 200], True),
 }
 
 _REF_CACHE = {}
@@ -143,11 +150,43 @@ def test_cuda_graph_replay_matches_eager():
     check_graph_replay(inp, d_o, d_ht, "chunk")
 
 
-@pytest.mark.parametrize("K,V", [(512, 64), (64, 320)])
+@pytest.mark.parametrize("K,V", [(512, 64), (300, 512)])
 def test_unsupported_head_dims_raise(K, V):
     inp = make_inputs(1, 8, 1, 1, K, V, torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"K and V up to 256"):
+    with pytest.raises(RuntimeError, match=r"head dim K up to 256 \(V any\), got K = %d, V = %d" % (K, V)):
         run_ours(inp, grads=False)
+
+
+def test_v_slices_are_calls_on_column_slices():
+    """V = 512 runs as two calls on v's column halves: o, the final state, dv and the initial state's gradient are
+    those calls' bitwise, and dq, dk, dg, dbeta their sums (added in fp32, then rounded once)."""
+    B, T, H, HV, K, V = 2, 150, 2, 4, 128, 512
+    inp = make_inputs(B, T, H, HV, K, V, torch.bfloat16, seed=5)
+    d_o, d_ht = output_grads(inp, B, seed=6)
+    whole = run_ours(inp, d_o, d_ht)
+    halves = []
+    for j in range(2):
+        cols = slice(256 * j, 256 * (j + 1))
+        part = dict(inp, v=inp["v"][..., cols].contiguous(), initial_state=inp["initial_state"][..., cols].contiguous())
+        halves.append(run_ours(part, d_o[..., cols].contiguous(), d_ht[..., cols].contiguous()))
+    for key, dim in (("o", -1), ("ht", -1), ("dv", -1), ("dinitial_state", -1)):
+        assert torch.equal(whole[key], torch.cat([h[key] for h in halves], dim)), key
+    # dg is fp32 in every call: the sum of the halves' bitwise
+    assert torch.equal(whole["dg"], halves[0]["dg"] + halves[1]["dg"])
+    for key in ("dq", "dk", "dbeta"):
+        # each half rounds its part to bf16; the whole call rounds the sum of the fp32 parts once
+        e = rel_err(whole[key], halves[0][key].float() + halves[1][key].float())
+        assert whole[key].dtype == torch.bfloat16 and e <= 1e-2, (key, e)
+
+
+def test_v_slices_graph_replay_and_determinism():
+    inp = make_inputs(1, 200, 1, 2, 64, 320, torch.bfloat16, seed=9)
+    d_o, d_ht = output_grads(inp, 1)
+    check_graph_replay(inp, d_o, d_ht, "chunk")
+    a = run_ours(inp, d_o, d_ht)
+    b = run_ours(inp, d_o, d_ht)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
 
 
 def test_runs_cuda_kernels():

@@ -24,6 +24,9 @@ namespace gated_delta {
 // The token-loop kernels, for per-key / per-value decays (delta_rule/recurrent_host.cpp).
 CoreForward recurrent_forward_cuda(const CoreArgs& a, bool output_final_state);
 CoreGrads recurrent_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state);
+// (this file's core functions: a V above the kernels' head dims runs as slices, each a call of its own)
+CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state, bool keep_residual);
+CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state);
 
 namespace {
 
@@ -33,13 +36,18 @@ constexpr int kC = cuda::kChunk;
 // The storage types the kernels take (dispatch.cuh) for q, k, v and, read in place, beta.
 bool is_kernel_dtype(at::ScalarType st) { return st == at::kBFloat16 || st == at::kHalf || st == at::kFloat; }
 
-void check_cuda_limits(const CoreArgs& a) {
-  const int64_t K = a.head_k(), V = a.head_v();
+// K up to the kernels' largest head dim; V any (larger V runs in slices, below)
+void check_head_k(const CoreArgs& a) {
   // (the message is formatted with std::to_string: streaming integers into c10::str crashed in one toolchain mix)
-  TORCH_CHECK(cuda::padded_head_dim(K) != 0 && cuda::padded_head_dim(V) != 0,
-              std::string("gated_delta CUDA kernels support head dims K and V up to ") +
-                  std::to_string(cuda::max_head_dim()) + ", got K = " + std::to_string(K) + ", V = " +
-                  std::to_string(V));
+  TORCH_CHECK(cuda::padded_head_dim(a.head_k()) != 0,
+              std::string("gated_delta CUDA kernels support head dim K up to ") + std::to_string(cuda::max_head_dim()) +
+                  " (V any), got K = " + std::to_string(a.head_k()) + ", V = " + std::to_string(a.head_v()));
+}
+
+void check_cuda_limits(const CoreArgs& a) {
+  check_head_k(a);
+  TORCH_CHECK(cuda::padded_head_dim(a.head_v()) != 0, "gated_delta CUDA: V = ", a.head_v(),
+              " reached the kernels unsliced (largest head dim ", cuda::max_head_dim(), ")");
   const auto st = a.q.scalar_type();
   TORCH_CHECK(is_kernel_dtype(st),
               std::string("gated_delta CUDA kernels support bfloat16, float16 and float32 inputs, got ") +
@@ -549,9 +557,107 @@ CoreArgs padded_args(const CoreArgs& a) {
 
 at::Tensor cut_last(const at::Tensor& x, int64_t to) { return x.narrow(-1, 0, to).contiguous(); }
 
+// ---- V over the kernels' largest head dim ----
+// The recurrence separates over the state's columns: column j of S, and of o, depends on column j of v (and of the
+// initial state, and gv) and on nothing else of v. A V above the kernels' largest head dim (256) therefore runs as
+// slices of v's columns, each a call of its own with the same q, k, g and beta: o, the final state, dv, gv's and the
+// initial state's gradients are the slices' side by side, and the gradients of the inputs every slice reads (q, k,
+// g, beta, gk) are the sums of the slices' gradients, which the slices return in fp32 and which are added in slice
+// order (deterministic; the kernels of one call sum over their V tiles in fp32 the same way). The slices have one
+// width w, a head dim of the kernels: the largest of 256, 128, 64 that divides V rounded up to 64, so that every
+// slice (the last one zero-padded to w where V is not a multiple of 64) lays out its chunks, work units and
+// residual alike (with gk / gv, whose token-loop kernels take any V up to 256 and keep no residual: the fewest
+// slices of equal width). The residual the forward keeps (A, the cumulative gates, Tm) does not depend on v: the first
+// slice's serves every slice's backward. The work that does not depend on v (K K^T, the inverse) is done per slice.
+struct VSlices {
+  int64_t n = 1, w = 0;  // slices, and columns per slice (the last one may hold fewer)
+};
+
+VSlices v_slices(const CoreArgs& a) {
+  const int64_t V = a.head_v(), most = cuda::max_head_dim();
+  VSlices s;
+  if (a.has_kv_gates()) {  // the token-loop kernels take any V up to 256 unpadded: the fewest equal slices
+    s.n = (V + most - 1) / most;
+    s.w = (V + s.n - 1) / s.n;
+    return s;
+  }
+  const int64_t V64 = (V + 63) / 64 * 64;
+  s.w = V64 % 256 == 0 ? 256 : V64 % 128 == 0 ? 128 : 64;
+  s.n = V64 / s.w;
+  return s;
+}
+
+bool needs_v_slices(const CoreArgs& a) { return a.head_v() > cuda::max_head_dim(); }
+
+int state_v_dim(const CoreArgs& a) { return a.state_v_first ? 2 : 3; }
+
+// args of slice i: v, and gv and the initial state where given, cut to the slice's columns
+CoreArgs v_slice_args(const CoreArgs& a, const VSlices& s, int64_t i) {
+  const int64_t off = i * s.w, w = std::min(s.w, a.head_v() - off);
+  CoreArgs r = a;
+  r.v = a.v.narrow(3, off, w);
+  if (a.gv.defined()) r.gv = a.gv.narrow(3, off, w);
+  if (a.initial_state.defined()) r.initial_state = a.initial_state.narrow(state_v_dim(a), off, w);
+  return r;
+}
+
+at::Tensor slice_cols(const at::Tensor& x, int dim, const VSlices& s, int64_t i) {
+  if (!x.defined()) return x;
+  const int64_t off = i * s.w;
+  return x.narrow(dim, off, std::min(s.w, x.size(dim) - off));
+}
+
+CoreForward forward_v_slices(const CoreArgs& a, bool output_final_state, bool keep_residual) {
+  const VSlices s = v_slices(a);
+  std::vector<at::Tensor> o, fin;
+  CoreForward r;
+  for (int64_t i = 0; i < s.n; ++i) {
+    CoreForward f = core_forward_cuda(v_slice_args(a, s, i), output_final_state, keep_residual && i == 0);
+    o.push_back(f.o);
+    if (output_final_state) fin.push_back(f.final_state);
+    if (i == 0) r.residual = f.residual;
+  }
+  r.o = at::cat(o, 3);
+  if (output_final_state) r.final_state = at::cat(fin, state_v_dim(a));
+  return r;
+}
+
+CoreGrads backward_v_slices(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state) {
+  const VSlices s = v_slices(a);
+  CoreGrads r;
+  std::vector<at::Tensor> dv, dh0, dgv;
+  auto add = [](at::Tensor& sum, const at::Tensor& x) {
+    if (!x.defined()) return;
+    if (!sum.defined()) sum = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);  // (the first slice's own)
+    else sum.add_(x);
+  };
+  for (int64_t i = 0; i < s.n; ++i) {
+    CoreArgs ai = v_slice_args(a, s, i);
+    ai.grads_in_input_dtype = false;  // (fp32 parts, added here; the op layer casts the sums)
+    ai.dbeta_in_beta_dtype = false;
+    const CoreGrads g = core_backward_cuda(ai, slice_cols(d_o, 3, s, i), slice_cols(d_final_state, state_v_dim(a), s, i));
+    add(r.dq, g.dq);
+    add(r.dk, g.dk);
+    add(r.dg, g.dg);
+    add(r.dbeta, g.dbeta);
+    add(r.dgk, g.dgk);
+    dv.push_back(g.dv);
+    if (g.d_initial_state.defined()) dh0.push_back(g.d_initial_state);
+    if (g.dgv.defined()) dgv.push_back(g.dgv);
+  }
+  r.dv = at::cat(dv, 3);
+  if (!dh0.empty()) r.d_initial_state = at::cat(dh0, state_v_dim(a));
+  if (!dgv.empty()) r.dgv = at::cat(dgv, 3);
+  return r;
+}
+
 }  // namespace
 
 CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state, bool keep_residual) {
+  if (needs_v_slices(a)) {
+    check_head_k(a);
+    return forward_v_slices(a, output_final_state, keep_residual);
+  }
   if (a.has_kv_gates()) {  // the token-loop kernels take any K, V up to 256 unpadded (no residual)
     c10::cuda::CUDAGuard guard(a.q.device());
     return recurrent_forward_cuda(a, output_final_state);
@@ -609,6 +715,10 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state, bool k
 }
 
 CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state) {
+  if (needs_v_slices(a)) {
+    check_head_k(a);
+    return backward_v_slices(a, d_o, d_final_state);
+  }
   if (a.has_kv_gates()) {
     TORCH_CHECK(!a.residual.defined(), "residual: a call with gk / gv keeps none (fwd_with_residual returns an "
                 "empty tensor for it), got ", a.residual.numel(), " bytes");

@@ -27,9 +27,12 @@ struct RecCall {
 
 RecCall begin_recurrent(const CoreArgs& a) {
   const int64_t K = a.head_k(), V = a.head_v();
-  TORCH_CHECK(K <= cuda::kRecMaxDim && V <= cuda::kRecMaxDim,
-              std::string("gated_delta CUDA: with gk / gv the head dims K and V must be at most ") +
-                  std::to_string(cuda::kRecMaxDim) + ", got K = " + std::to_string(K) + ", V = " + std::to_string(V));
+  TORCH_CHECK(K <= cuda::kRecMaxDim,
+              std::string("gated_delta CUDA: with gk / gv the head dim K must be at most ") +
+                  std::to_string(cuda::kRecMaxDim) + " (V any), got K = " + std::to_string(K) + ", V = " +
+                  std::to_string(V));
+  // (a larger V runs in slices of at most kRecMaxDim columns, core_forward_cuda / core_backward_cuda)
+  TORCH_CHECK(V <= cuda::kRecMaxDim, "gated_delta CUDA: V = ", V, " reached the token-loop kernels unsliced");
   TORCH_CHECK(a.batch() * a.seqlen() * std::max(a.num_qk_heads(), a.num_v_heads()) * std::max(K, V) <
                   (int64_t(1) << 62),
               "gated_delta CUDA: the inputs are too large");
