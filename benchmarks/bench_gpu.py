@@ -3,7 +3,8 @@
 bf16, K = V = 128 (`--head-dims K:V` for others). For each shape and implementation, in one process: forward and forward+backward
 - eager time: median of CUDA-event timings after warm-up, rotating several input sets (what a caller waits for,
   host overhead included when the host is slower than the GPU);
-- device time: the sum of the kernel durations of one call, from torch.profiler, median over several calls;
+- device time: the time the GPU runs the kernels of one call (the union of their intervals from torch.profiler: their
+  sum where they run one after another), median over several calls;
 - peak extra memory of forward+backward.
 FlashQLA (`flash_qla.chunk_gated_delta_rule`) and FLA's chunk_gated_delta_rule are measured when importable. Relative errors against a float64 reference are measured on a
 T = 1024 slice of each head configuration (the reference is the token loop, run in float64 on the GPU). Cold start
@@ -134,8 +135,21 @@ def time_fn(fn, sets, reps, warmup=3):
     return statistics.median(times)
 
 
+def busy_us(intervals):
+    """The length of the union of (start, end) intervals: the time the GPU runs at least one of the call's kernels.
+    For kernels on one stream, which never overlap, it is the sum of their durations; kernels on two streams at once
+    count once."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
 def device_time(fn, sets, calls=5):
-    """Median over `calls` calls of the summed kernel durations of one call (torch.profiler), in ms."""
+    """Median over `calls` calls of one call's device time (torch.profiler's kernels, memcopies and memsets: the
+    union of their intervals, `busy_us`), in ms."""
     fn(*sets[0])
     torch.cuda.synchronize()
     per_call = []
@@ -143,8 +157,8 @@ def device_time(fn, sets, calls=5):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn(*sets[c % len(sets)])
             torch.cuda.synchronize()
-        per_call.append(sum(e.device_time_total for e in prof.events()
-                            if e.device_type == torch.autograd.DeviceType.CUDA) / 1000.0)
+        per_call.append(busy_us([(e.time_range.start, e.time_range.end) for e in prof.events()
+                                 if e.device_type == torch.autograd.DeviceType.CUDA]) / 1000.0)
     return statistics.median(per_call)
 
 
@@ -318,7 +332,8 @@ def report(meta, note, results, errs, cold):
         lines += [f"Note: {note}.", ""]
     names = [n for n in IMPLS if any(n in r for r in results)]
     label = {"ours": "ours", "qla": "FlashQLA", "fla": "FLA"}
-    lines += ["Device time (sum of kernel durations per call, torch.profiler) and eager time (CUDA events around "
+    lines += ["Device time (the GPU's busy time per call: the union of its kernels' intervals, torch.profiler) and "
+              "eager time (CUDA events around "
               "the call, host overhead included), ms; peak extra memory of forward+backward, GiB. A dash: not "
               "measured on that row.", ""]
     hdr = "| B x T | H | HV | pass |" + "".join(f" {label[n]} device | {label[n]} eager |" for n in names)

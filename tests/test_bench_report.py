@@ -95,3 +95,10 @@ def test_plot_from_merges_runs_by_shape(tmp_path):
     assert r28["ours"]["fwd_dev_ms"] == 0.181 and r28["qla"]["fwd_dev_ms"] == 0.238
     assert r28["fla"]["fwd_dev_ms"] == 0.927
     assert r48["ours"]["fwd_dev_ms"] == 0.067 and r48["qla"]["fwdbwd_dev_ms"] == 0.333 and "fla" not in r48
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    # one stream: the sum of the durations; two kernels at once: their union
+    assert bench_gpu.busy_us([(0.0, 2.0), (2.0, 5.0), (7.0, 8.0)]) == 6.0
+    assert bench_gpu.busy_us([(0.0, 4.0), (1.0, 3.0), (2.0, 6.0), (10.0, 11.0)]) == 7.0
+    assert bench_gpu.busy_us([]) == 0.0

@@ -5,6 +5,7 @@
 // (delta_rule/) on the current stream.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
@@ -563,7 +564,8 @@ at::Tensor cut_last(const at::Tensor& x, int64_t to) { return x.narrow(-1, 0, to
 // slices of v's columns, each a call of its own with the same q, k, g and beta: o, the final state, dv, gv's and the
 // initial state's gradients are the slices' side by side, and the gradients of the inputs every slice reads (q, k,
 // g, beta, gk) are the sums of the slices' gradients, which the slices return in fp32 and which are added in slice
-// order (deterministic; the kernels of one call sum over their V tiles in fp32 the same way). The slices have one
+// order (deterministic; the kernels of one call sum over their V tiles in fp32 the same way), the last addition
+// rounding to the dtype the gradient is returned in. The slices have one
 // width w, a head dim of the kernels: the largest of 256, 128, 64 that divides V rounded up to 64, so that every
 // slice (the last one zero-padded to w where V is not a multiple of 64) lays out its chunks, work units and
 // residual alike (with gk / gv, whose token-loop kernels take any V up to 256 and keep no residual: the fewest
@@ -607,46 +609,120 @@ at::Tensor slice_cols(const at::Tensor& x, int dim, const VSlices& s, int64_t i)
   return x.narrow(dim, off, std::min(s.w, x.size(dim) - off));
 }
 
-CoreForward forward_v_slices(const CoreArgs& a, bool output_final_state, bool keep_residual) {
-  const VSlices s = v_slices(a);
-  std::vector<at::Tensor> o, fin;
-  CoreForward r;
-  for (int64_t i = 0; i < s.n; ++i) {
-    CoreForward f = core_forward_cuda(v_slice_args(a, s, i), output_final_state, keep_residual && i == 0);
-    o.push_back(f.o);
-    if (output_final_state) fin.push_back(f.final_state);
-    if (i == 0) r.residual = f.residual;
+// The slices run on two streams, the caller's and a side stream from the pool: even slices on the first, odd ones on
+// the second, forked from and joined back into the caller's stream by events (CUDA-graph capturable). So two slices'
+// kernels share the GPU where one slice's grid would leave SMs idle (with K = 256 and few heads every sequential
+// pass does). What a side slice allocates and the caller's stream reads afterwards is marked used there
+// (record_stream), so that the caching allocator does not hand its memory to the side stream again too early.
+class SliceStreams {
+ public:
+  explicit SliceStreams(int64_t n) : main_(at::cuda::getCurrentCUDAStream()) {
+    if (n < 2) return;
+    side_ = at::cuda::getStreamFromPool(/*isHighPriority=*/false, main_.device_index());
+    at::cuda::CUDAEvent fork;
+    fork.record(main_);
+    fork.block(*side_);
   }
-  r.o = at::cat(o, 3);
-  if (output_final_state) r.final_state = at::cat(fin, state_v_dim(a));
+  // runs slice i's call on its stream; f returns the tensors it made, which are then marked for the caller's stream
+  template <class F>
+  void run(int64_t i, F&& f) {
+    if (i % 2 == 0 || !side_) {
+      f();
+      return;
+    }
+    c10::cuda::CUDAStreamGuard guard(*side_);
+    for (const at::Tensor& t : f())
+      if (t.defined()) t.record_stream(main_.unwrap());
+  }
+  // the caller's stream waits for every side slice
+  void join() {
+    if (!side_) return;
+    at::cuda::CUDAEvent done;
+    done.record(*side_);
+    done.block(main_);
+  }
+
+ private:
+  at::cuda::CUDAStream main_;
+  c10::optional<at::cuda::CUDAStream> side_;
+};
+
+// (varlen without a host copy of cu_seqlens: one device->host copy for all slices, checked as make_layout checks it)
+CoreArgs with_host_cu_seqlens(const CoreArgs& a) {
+  CoreArgs r = a;
+  if (a.cu_seqlens.defined() && !a.cu_seqlens_cpu.defined()) {
+    r.cu_seqlens_cpu = a.cu_seqlens.to(at::kCPU).to(at::kLong).contiguous();
+    check_cu_seqlens_values(r.cu_seqlens_cpu, a.seqlen(), "cu_seqlens");
+  }
   return r;
 }
 
-CoreGrads backward_v_slices(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state) {
+CoreForward forward_v_slices(const CoreArgs& a0, bool output_final_state, bool keep_residual) {
+  const CoreArgs a = with_host_cu_seqlens(a0);
   const VSlices s = v_slices(a);
-  CoreGrads r;
-  std::vector<at::Tensor> dv, dh0, dgv;
-  auto add = [](at::Tensor& sum, const at::Tensor& x) {
-    if (!x.defined()) return;
-    if (!sum.defined()) sum = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);  // (the first slice's own)
-    else sum.add_(x);
-  };
+  std::vector<CoreForward> f(s.n);
+  SliceStreams streams(s.n);
   for (int64_t i = 0; i < s.n; ++i) {
-    CoreArgs ai = v_slice_args(a, s, i);
-    ai.grads_in_input_dtype = false;  // (fp32 parts, added here; the op layer casts the sums)
-    ai.dbeta_in_beta_dtype = false;
-    const CoreGrads g = core_backward_cuda(ai, slice_cols(d_o, 3, s, i), slice_cols(d_final_state, state_v_dim(a), s, i));
-    add(r.dq, g.dq);
-    add(r.dk, g.dk);
-    add(r.dg, g.dg);
-    add(r.dbeta, g.dbeta);
-    add(r.dgk, g.dgk);
-    dv.push_back(g.dv);
-    if (g.d_initial_state.defined()) dh0.push_back(g.d_initial_state);
-    if (g.dgv.defined()) dgv.push_back(g.dgv);
+    streams.run(i, [&] {
+      f[i] = core_forward_cuda(v_slice_args(a, s, i), output_final_state, keep_residual && i == 0);
+      return std::vector<at::Tensor>{f[i].o, f[i].final_state, f[i].residual};
+    });
   }
-  r.dv = at::cat(dv, 3);
-  if (!dh0.empty()) r.d_initial_state = at::cat(dh0, state_v_dim(a));
+  streams.join();
+  std::vector<at::Tensor> o, fin;
+  for (const CoreForward& x : f) {
+    o.push_back(x.o);
+    if (output_final_state) fin.push_back(x.final_state);
+  }
+  CoreForward r;
+  r.o = at::cat(o, 3);
+  if (output_final_state) r.final_state = at::cat(fin, state_v_dim(a));
+  r.residual = f[0].residual;
+  return r;
+}
+
+CoreGrads backward_v_slices(const CoreArgs& a0, const at::Tensor& d_o, const at::Tensor& d_final_state) {
+  const CoreArgs a = with_host_cu_seqlens(a0);
+  const VSlices s = v_slices(a);
+  const int vdim = state_v_dim(a);
+  std::vector<CoreGrads> g(s.n);
+  SliceStreams streams(s.n);
+  for (int64_t i = 0; i < s.n; ++i) {
+    streams.run(i, [&] {
+      CoreArgs ai = v_slice_args(a, s, i);
+      ai.grads_in_input_dtype = false;  // (fp32 parts, added below)
+      ai.dbeta_in_beta_dtype = false;
+      g[i] = core_backward_cuda(ai, slice_cols(d_o, 3, s, i), slice_cols(d_final_state, vdim, s, i));
+      const CoreGrads& x = g[i];
+      return std::vector<at::Tensor>{x.dq, x.dk, x.dv, x.dg, x.dbeta, x.d_initial_state, x.dgk, x.dgv};
+    });
+  }
+  streams.join();
+  // the sums over the slices, in slice order: fp32 up to the last slice's part, whose addition writes the dtype the
+  // gradient is returned in (the input's where the op layer allows it: one rounding, in the same kernel)
+  auto sum = [&](at::Tensor CoreGrads::*field, at::ScalarType out) {
+    if (!(g[0].*field).defined()) return at::Tensor();
+    at::Tensor acc = g[0].*field;
+    for (int64_t i = 1; i + 1 < s.n; ++i) acc = i == 1 ? acc + g[i].*field : acc.add_(g[i].*field);
+    at::Tensor total = at::empty(acc.sizes(), acc.options().dtype(out));
+    at::add_out(total, acc, g[s.n - 1].*field);
+    return total;
+  };
+  const at::ScalarType f32 = at::kFloat;
+  CoreGrads r;
+  r.dq = sum(&CoreGrads::dq, a.grads_in_input_dtype ? a.q.scalar_type() : f32);
+  r.dk = sum(&CoreGrads::dk, a.grads_in_input_dtype ? a.k.scalar_type() : f32);
+  r.dg = sum(&CoreGrads::dg, f32);
+  r.dbeta = sum(&CoreGrads::dbeta, a.dbeta_in_beta_dtype ? a.beta.scalar_type() : f32);
+  r.dgk = sum(&CoreGrads::dgk, f32);
+  r.dv = at::empty(a.v.sizes(), a.v.options().dtype(a.grads_in_input_dtype ? a.v.scalar_type() : f32));
+  std::vector<at::Tensor> dh0, dgv;
+  for (int64_t i = 0; i < s.n; ++i) {
+    slice_cols(r.dv, 3, s, i).copy_(g[i].dv);  // (each slice's columns, rounded once where dv is 16-bit)
+    if (g[i].d_initial_state.defined()) dh0.push_back(g[i].d_initial_state);
+    if (g[i].dgv.defined()) dgv.push_back(g[i].dgv);
+  }
+  if (!dh0.empty()) r.d_initial_state = at::cat(dh0, vdim);
   if (!dgv.empty()) r.dgv = at::cat(dgv, 3);
   return r;
 }
