@@ -250,6 +250,32 @@ def test_layer_cuda_matches_cpu_float64_forward_and_grads(kw):
         close(pd.grad, pc.grad, 1e-3)
 
 
+def test_layer_cuda_fla_default_head_dims():
+    """FLA's Gated DeltaNet layer defaults to head_dim = 256 and expand_v = 2: K = 256, V = 512, which the CUDA op
+    runs as two slices of v's columns. Forward and every gradient against the float64 CPU layer, then a prefill
+    followed by decode steps against the full forward."""
+    cpu = make_layer(hidden_size=512, num_heads=2, num_v_heads=2, head_dim=256, head_v_dim=None, expand_v=2.0)
+    assert cpu.head_v_dim == 512
+    dev = copy.deepcopy(cpu).float().to(DEV)
+    x = torch.randn(2, 70, 512, dtype=f64)
+    xc, xd = leaf(x, "cpu"), leaf(x, dtype=torch.float32)
+    y_c, _ = cpu(xc)
+    y_d, _ = dev(xd)
+    close(y_d, y_c, 1e-4)
+    dy = torch.randn_like(x)
+    y_c.backward(dy)
+    y_d.backward(dy.float().to(DEV))
+    close(xd.grad, xc.grad, 1e-3)
+    for pc, pd in zip(cpu.parameters(), dev.parameters()):
+        close(pd.grad, pc.grad, 1e-3)
+    with torch.no_grad():
+        xs = xd.detach()
+        y_full, _ = dev(xs)
+        y, cache = dev(xs[:, :66], use_cache=True)
+        ys = [y] + [dev(xs[:, t:t + 1], cache=cache, use_cache=True)[0] for t in range(66, 70)]
+    close(torch.cat(ys, 1), y_full, 1e-4)
+
+
 def test_layer_cuda_prefill_then_decode_equals_full_forward():
     layer = make_layer().float().to(DEV)
     x = torch.randn(3, 40, 256, device=DEV)

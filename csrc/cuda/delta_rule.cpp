@@ -614,38 +614,30 @@ at::Tensor slice_cols(const at::Tensor& x, int dim, const VSlices& s, int64_t i)
 // kernels share the GPU where one slice's grid would leave SMs idle (with K = 256 and few heads every sequential
 // pass does). What a side slice allocates and the caller's stream reads afterwards is marked used there
 // (record_stream), so that the caching allocator does not hand its memory to the side stream again too early.
-class SliceStreams {
- public:
-  explicit SliceStreams(int64_t n) : main_(at::cuda::getCurrentCUDAStream()) {
-    if (n < 2) return;
-    side_ = at::cuda::getStreamFromPool(/*isHighPriority=*/false, main_.device_index());
-    at::cuda::CUDAEvent fork;
-    fork.record(main_);
-    fork.block(*side_);
-  }
-  // runs slice i's call on its stream; f returns the tensors it made, which are then marked for the caller's stream
-  template <class F>
-  void run(int64_t i, F&& f) {
-    if (i % 2 == 0 || !side_) {
-      f();
-      return;
+// slice_call(i) for every slice, on the slices' streams; returns their results, every tensor of them (tensors(r))
+// usable on the caller's stream
+template <class R, class Call, class Tensors>
+std::vector<R> run_slices(int64_t n, Call&& slice_call, Tensors&& tensors) {
+  std::vector<R> out(n);
+  const at::cuda::CUDAStream main = at::cuda::getCurrentCUDAStream();
+  const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(/*isHighPriority=*/false, main.device_index());
+  at::cuda::CUDAEvent fork, done;
+  fork.record(main);
+  fork.block(side);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i % 2 == 0) {
+      out[i] = slice_call(i);
+      continue;
     }
-    c10::cuda::CUDAStreamGuard guard(*side_);
-    for (const at::Tensor& t : f())
-      if (t.defined()) t.record_stream(main_.unwrap());
+    c10::cuda::CUDAStreamGuard guard(side);
+    out[i] = slice_call(i);
+    for (const at::Tensor& t : tensors(out[i]))
+      if (t.defined()) t.record_stream(main.unwrap());
   }
-  // the caller's stream waits for every side slice
-  void join() {
-    if (!side_) return;
-    at::cuda::CUDAEvent done;
-    done.record(*side_);
-    done.block(main_);
-  }
-
- private:
-  at::cuda::CUDAStream main_;
-  c10::optional<at::cuda::CUDAStream> side_;
-};
+  done.record(side);  // the caller's stream waits for every side slice
+  done.block(main);
+  return out;
+}
 
 // (varlen without a host copy of cu_seqlens: one device->host copy for all slices, checked as make_layout checks it)
 CoreArgs with_host_cu_seqlens(const CoreArgs& a) {
@@ -660,15 +652,10 @@ CoreArgs with_host_cu_seqlens(const CoreArgs& a) {
 CoreForward forward_v_slices(const CoreArgs& a0, bool output_final_state, bool keep_residual) {
   const CoreArgs a = with_host_cu_seqlens(a0);
   const VSlices s = v_slices(a);
-  std::vector<CoreForward> f(s.n);
-  SliceStreams streams(s.n);
-  for (int64_t i = 0; i < s.n; ++i) {
-    streams.run(i, [&] {
-      f[i] = core_forward_cuda(v_slice_args(a, s, i), output_final_state, keep_residual && i == 0);
-      return std::vector<at::Tensor>{f[i].o, f[i].final_state, f[i].residual};
-    });
-  }
-  streams.join();
+  const std::vector<CoreForward> f = run_slices<CoreForward>(
+      s.n,
+      [&](int64_t i) { return core_forward_cuda(v_slice_args(a, s, i), output_final_state, keep_residual && i == 0); },
+      [](const CoreForward& x) { return std::vector<at::Tensor>{x.o, x.final_state, x.residual}; });
   std::vector<at::Tensor> o, fin;
   for (const CoreForward& x : f) {
     o.push_back(x.o);
@@ -685,19 +672,17 @@ CoreGrads backward_v_slices(const CoreArgs& a0, const at::Tensor& d_o, const at:
   const CoreArgs a = with_host_cu_seqlens(a0);
   const VSlices s = v_slices(a);
   const int vdim = state_v_dim(a);
-  std::vector<CoreGrads> g(s.n);
-  SliceStreams streams(s.n);
-  for (int64_t i = 0; i < s.n; ++i) {
-    streams.run(i, [&] {
-      CoreArgs ai = v_slice_args(a, s, i);
-      ai.grads_in_input_dtype = false;  // (fp32 parts, added below)
-      ai.dbeta_in_beta_dtype = false;
-      g[i] = core_backward_cuda(ai, slice_cols(d_o, 3, s, i), slice_cols(d_final_state, vdim, s, i));
-      const CoreGrads& x = g[i];
-      return std::vector<at::Tensor>{x.dq, x.dk, x.dv, x.dg, x.dbeta, x.d_initial_state, x.dgk, x.dgv};
-    });
-  }
-  streams.join();
+  const std::vector<CoreGrads> g = run_slices<CoreGrads>(
+      s.n,
+      [&](int64_t i) {
+        CoreArgs ai = v_slice_args(a, s, i);
+        ai.grads_in_input_dtype = false;  // (fp32 parts, added below)
+        ai.dbeta_in_beta_dtype = false;
+        return core_backward_cuda(ai, slice_cols(d_o, 3, s, i), slice_cols(d_final_state, vdim, s, i));
+      },
+      [](const CoreGrads& x) {
+        return std::vector<at::Tensor>{x.dq, x.dk, x.dv, x.dg, x.dbeta, x.d_initial_state, x.dgk, x.dgv};
+      });
   // the sums over the slices, in slice order: fp32 up to the last slice's part, whose addition writes the dtype the
   // gradient is returned in (the input's where the op layer allows it: one rounding, in the same kernel)
   auto sum = [&](at::Tensor CoreGrads::*field, at::ScalarType out) {
