@@ -561,16 +561,17 @@ at::Tensor cut_last(const at::Tensor& x, int64_t to) { return x.narrow(-1, 0, to
 // ---- V over the kernels' largest head dim ----
 // The recurrence separates over the state's columns: column j of S, and of o, depends on column j of v (and of the
 // initial state, and gv) and on nothing else of v. A V above the kernels' largest head dim (256) therefore runs as
-// slices of v's columns, each a call of its own with the same q, k, g and beta: o, the final state, dv, gv's and the
-// initial state's gradients are the slices' side by side, and the gradients of the inputs every slice reads (q, k,
-// g, beta, gk) are the sums of the slices' gradients, which the slices return in fp32 and which are added in slice
-// order (deterministic; the kernels of one call sum over their V tiles in fp32 the same way), the last addition
-// rounding to the dtype the gradient is returned in. The slices have one
-// width w, a head dim of the kernels: the largest of 256, 128, 64 that divides V rounded up to 64, so that every
-// slice (the last one zero-padded to w where V is not a multiple of 64) lays out its chunks, work units and
-// residual alike (with gk / gv, whose token-loop kernels take any V up to 256 and keep no residual: the fewest
-// slices of equal width). The residual the forward keeps (A, the cumulative gates, Tm) does not depend on v: the first
-// slice's serves every slice's backward. The work that does not depend on v (K K^T, the inverse) is done per slice.
+// slices of v's columns, each a call of its own with the same q, k, g and beta:
+// - o, the final state, dv, gv's and the initial state's gradients are the slices' side by side;
+// - the gradients of the inputs every slice reads (q, k, g, beta, gk) are the sums of the slices' gradients, which
+//   the slices return in fp32 and which are added in slice order (deterministic; the kernels of one call sum over
+//   their V tiles in fp32 the same way), the last addition rounding to the dtype the gradient is returned in;
+// - the slices have one width w, a head dim of the kernels: the largest of 256, 128, 64 that divides V rounded up to
+//   64, so that every slice (the last one zero-padded to w where V is not a multiple of 64) lays out its chunks,
+//   work units and residual alike (with gk / gv, whose token-loop kernels take any V up to 256 and keep no
+//   residual: the fewest slices of equal width);
+// - the residual the forward keeps (A, the cumulative gates, Tm) does not depend on v: the first slice's serves
+//   every slice's backward. The work that does not depend on v (K K^T, the inverse) is done per slice.
 struct VSlices {
   int64_t n = 1, w = 0;  // slices, and columns per slice (the last one may hold fewer)
 };
@@ -614,8 +615,8 @@ at::Tensor slice_cols(const at::Tensor& x, int dim, const VSlices& s, int64_t i)
 // kernels share the GPU where one slice's grid would leave SMs idle (with K = 256 and few heads every sequential
 // pass does). What a side slice allocates and the caller's stream reads afterwards is marked used there
 // (record_stream), so that the caching allocator does not hand its memory to the side stream again too early.
-// slice_call(i) for every slice, on the slices' streams; returns their results, every tensor of them (tensors(r))
-// usable on the caller's stream
+// run_slices calls slice_call(i) for every slice on its stream and returns the results, every tensor of them
+// (tensors(r)) usable on the caller's stream.
 template <class R, class Call, class Tensors>
 std::vector<R> run_slices(int64_t n, Call&& slice_call, Tensors&& tensors) {
   std::vector<R> out(n);
@@ -717,6 +718,7 @@ CoreGrads backward_v_slices(const CoreArgs& a0, const at::Tensor& d_o, const at:
 CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state, bool keep_residual) {
   if (needs_v_slices(a)) {
     check_head_k(a);
+    c10::cuda::CUDAGuard guard(a.q.device());  // (the streams are the inputs' device's)
     return forward_v_slices(a, output_final_state, keep_residual);
   }
   if (a.has_kv_gates()) {  // the token-loop kernels take any K, V up to 256 unpadded (no residual)
@@ -778,6 +780,7 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state, bool k
 CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state) {
   if (needs_v_slices(a)) {
     check_head_k(a);
+    c10::cuda::CUDAGuard guard(a.q.device());  // (the streams are the inputs' device's)
     return backward_v_slices(a, d_o, d_final_state);
   }
   if (a.has_kv_gates()) {
