@@ -233,11 +233,10 @@ def make_layer(**kw):
     return layer
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(feature_map="learnable", allow_neg_eigval=True, conv_bias=True)])
-def test_layer_cuda_matches_cpu_float64_forward_and_grads(kw):
-    cpu = make_layer(**kw)
+def check_against_cpu_float64(cpu, x):
+    """The float64 CPU layer `cpu` and its fp32 copy on the GPU, on input x (float64, CPU): output to 1e-4, the input's
+    and every parameter's gradient to 1e-3. Returns the GPU layer."""
     dev = copy.deepcopy(cpu).float().to(DEV)
-    x = torch.randn(2, 100, 256, dtype=f64)
     xc, xd = leaf(x, "cpu"), leaf(x, dtype=torch.float32)
     y_c, _ = cpu(xc)
     y_d, _ = dev(xd)
@@ -248,6 +247,22 @@ def test_layer_cuda_matches_cpu_float64_forward_and_grads(kw):
     close(xd.grad, xc.grad, 1e-3)
     for pc, pd in zip(cpu.parameters(), dev.parameters()):
         close(pd.grad, pc.grad, 1e-3)
+    return dev
+
+
+def check_prefill_then_decode(layer, x, prefill):
+    """A prefill of x's first `prefill` tokens with a cache, then decode steps one token each, against the full
+    forward (to 1e-4)."""
+    with torch.no_grad():
+        y_full, _ = layer(x)
+        y, cache = layer(x[:, :prefill], use_cache=True)
+        ys = [y] + [layer(x[:, t:t + 1], cache=cache, use_cache=True)[0] for t in range(prefill, x.shape[1])]
+    close(torch.cat(ys, 1), y_full, 1e-4)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(feature_map="learnable", allow_neg_eigval=True, conv_bias=True)])
+def test_layer_cuda_matches_cpu_float64_forward_and_grads(kw):
+    check_against_cpu_float64(make_layer(**kw), torch.randn(2, 100, 256, dtype=f64))
 
 
 def test_layer_cuda_fla_default_head_dims():
@@ -256,36 +271,13 @@ def test_layer_cuda_fla_default_head_dims():
     followed by decode steps against the full forward."""
     cpu = make_layer(hidden_size=512, num_heads=2, num_v_heads=2, head_dim=256, head_v_dim=None, expand_v=2.0)
     assert cpu.head_v_dim == 512
-    dev = copy.deepcopy(cpu).float().to(DEV)
     x = torch.randn(2, 70, 512, dtype=f64)
-    xc, xd = leaf(x, "cpu"), leaf(x, dtype=torch.float32)
-    y_c, _ = cpu(xc)
-    y_d, _ = dev(xd)
-    close(y_d, y_c, 1e-4)
-    dy = torch.randn_like(x)
-    y_c.backward(dy)
-    y_d.backward(dy.float().to(DEV))
-    close(xd.grad, xc.grad, 1e-3)
-    for pc, pd in zip(cpu.parameters(), dev.parameters()):
-        close(pd.grad, pc.grad, 1e-3)
-    with torch.no_grad():
-        xs = xd.detach()
-        y_full, _ = dev(xs)
-        y, cache = dev(xs[:, :66], use_cache=True)
-        ys = [y] + [dev(xs[:, t:t + 1], cache=cache, use_cache=True)[0] for t in range(66, 70)]
-    close(torch.cat(ys, 1), y_full, 1e-4)
+    dev = check_against_cpu_float64(cpu, x)
+    check_prefill_then_decode(dev, x.float().to(DEV), 66)
 
 
 def test_layer_cuda_prefill_then_decode_equals_full_forward():
-    layer = make_layer().float().to(DEV)
-    x = torch.randn(3, 40, 256, device=DEV)
-    with torch.no_grad():
-        y_full, _ = layer(x)
-        y, cache = layer(x[:, :33], use_cache=True)
-        ys = [y]
-        for t in range(33, 40):
-            ys.append(layer(x[:, t:t + 1], cache=cache, use_cache=True)[0])
-    close(torch.cat(ys, 1), y_full, 1e-4)
+    check_prefill_then_decode(make_layer().float().to(DEV), torch.randn(3, 40, 256, device=DEV), 33)
 
 
 def test_layer_cuda_varlen_prefill_equals_separate():
