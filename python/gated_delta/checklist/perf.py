@@ -110,6 +110,17 @@ def _plot_seqlen(ax, rows, mem_label):
     ax.set_title("sequence length sweep")
 
 
+def batch_drops(rates: dict) -> list:
+    """(B, smaller B) for each batch size B, in the order given, whose throughput is below BATCH_DROP times that
+    of the fastest batch size before it."""
+    drops, sizes = [], list(rates)
+    for i, B in enumerate(sizes):
+        best_prev = max(sizes[:i], key=rates.__getitem__, default=None)
+        if best_prev is not None and rates[B] < BATCH_DROP * rates[best_prev]:
+            drops.append((B, best_prev))
+    return drops
+
+
 def check_batch(cfg: Config) -> Result:
     dims, dtype = _perf_setup(cfg)
     if cfg.cuda:
@@ -133,14 +144,11 @@ def check_batch(cfg: Config) -> Result:
             break
     _release(cfg.device)
     drops = []
-    measured = list(rows)
-    for i, B in enumerate(measured):
-        best_prev = max(measured[:i], key=lambda b: rows[b][0], default=None)
-        if best_prev is not None and rows[B][0] < BATCH_DROP * rows[best_prev][0]:
-            rows[B], rows[best_prev] = throughput(B), throughput(best_prev)  # confirm before flagging
-            if rows[B][0] < BATCH_DROP * rows[best_prev][0]:
-                drops.append(f"B={B} {fmt_rate(rows[B][0])} tok/s < {BATCH_DROP:g} x B={best_prev} "
-                             f"{fmt_rate(rows[best_prev][0])} tok/s")
+    for B, best_prev in batch_drops({b: r[0] for b, r in rows.items()}):
+        rows[B], rows[best_prev] = throughput(B), throughput(best_prev)  # confirm before flagging
+        if batch_drops({b: rows[b][0] for b in (best_prev, B)}):
+            drops.append(f"B={B} {fmt_rate(rows[B][0])} tok/s < {BATCH_DROP:g} x B={best_prev} "
+                         f"{fmt_rate(rows[best_prev][0])} tok/s")
     status = FAIL if drops or stop else PASS
     shape_txt = f"T={T} H={dims['H']} HV={dims['HV']} K={dims['K']} V={dims['V']} {str(dtype).replace('torch.', '')}"
     curve = ", ".join(f"B={B}: {fmt_rate(r[0])}" for B, r in rows.items())
