@@ -84,6 +84,15 @@ struct Layout {
   at::Tensor cu_host;  // varlen: the host copy of cu_seqlens the layout was made from (int64)
 };
 
+// varlen: cu_seqlens on the host as int64, the caller's host copy where it gave one, else one device->host copy,
+// checked against the sequence length
+at::Tensor host_cu_seqlens(const CoreArgs& a) {
+  if (a.cu_seqlens_cpu.defined()) return a.cu_seqlens_cpu.to(at::kLong).contiguous();
+  at::Tensor cu = a.cu_seqlens.to(at::kCPU).to(at::kLong).contiguous();
+  check_cu_seqlens_values(cu, a.seqlen(), "cu_seqlens");
+  return cu;
+}
+
 // tiles_per_sm: 64-column state tiles of the state kernels that share an SM (one per CTA, or two per CTA of two
 // warpgroups). tables = false: the counts only (varlen: no device tables).
 Layout make_layout(const CoreArgs& a, int tiles_per_sm, bool tables = true) {
@@ -134,12 +143,7 @@ Layout make_layout(const CoreArgs& a, int tiles_per_sm, bool tables = true) {
     return L;
   }
 
-  at::Tensor cu_host = a.cu_seqlens_cpu;
-  if (!cu_host.defined()) {
-    cu_host = a.cu_seqlens.to(at::kCPU).to(at::kLong).contiguous();  // one device->host copy
-    check_cu_seqlens_values(cu_host, T, "cu_seqlens");
-  }
-  cu_host = cu_host.to(at::kLong).contiguous();
+  const at::Tensor cu_host = host_cu_seqlens(a);
   L.cu_host = cu_host;
   const int64_t* cu = cu_host.data_ptr<int64_t>();
   L.N = static_cast<int>(cu_host.size(0) - 1);
@@ -594,20 +598,20 @@ bool needs_v_slices(const CoreArgs& a) { return a.head_v() > cuda::max_head_dim(
 
 int state_v_dim(const CoreArgs& a) { return a.state_v_first ? 2 : 3; }
 
-// args of slice i: v, and gv and the initial state where given, cut to the slice's columns
-CoreArgs v_slice_args(const CoreArgs& a, const VSlices& s, int64_t i) {
-  const int64_t off = i * s.w, w = std::min(s.w, a.head_v() - off);
-  CoreArgs r = a;
-  r.v = a.v.narrow(3, off, w);
-  if (a.gv.defined()) r.gv = a.gv.narrow(3, off, w);
-  if (a.initial_state.defined()) r.initial_state = a.initial_state.narrow(state_v_dim(a), off, w);
-  return r;
-}
-
+// columns of slice i of x along dim (an undefined x passes through)
 at::Tensor slice_cols(const at::Tensor& x, int dim, const VSlices& s, int64_t i) {
   if (!x.defined()) return x;
   const int64_t off = i * s.w;
   return x.narrow(dim, off, std::min(s.w, x.size(dim) - off));
+}
+
+// args of slice i: v, and gv and the initial state where given, cut to the slice's columns
+CoreArgs v_slice_args(const CoreArgs& a, const VSlices& s, int64_t i) {
+  CoreArgs r = a;
+  r.v = slice_cols(a.v, 3, s, i);
+  r.gv = slice_cols(a.gv, 3, s, i);
+  r.initial_state = slice_cols(a.initial_state, state_v_dim(a), s, i);
+  return r;
 }
 
 // The slices run on two streams, the caller's and a side stream from the pool: even slices on the first, odd ones on
@@ -640,13 +644,10 @@ std::vector<R> run_slices(int64_t n, Call&& slice_call, Tensors&& tensors) {
   return out;
 }
 
-// (varlen without a host copy of cu_seqlens: one device->host copy for all slices, checked as make_layout checks it)
+// (varlen: one host copy of cu_seqlens for all slices)
 CoreArgs with_host_cu_seqlens(const CoreArgs& a) {
   CoreArgs r = a;
-  if (a.cu_seqlens.defined() && !a.cu_seqlens_cpu.defined()) {
-    r.cu_seqlens_cpu = a.cu_seqlens.to(at::kCPU).to(at::kLong).contiguous();
-    check_cu_seqlens_values(r.cu_seqlens_cpu, a.seqlen(), "cu_seqlens");
-  }
+  if (a.cu_seqlens.defined()) r.cu_seqlens_cpu = host_cu_seqlens(a);
   return r;
 }
 
@@ -673,7 +674,7 @@ CoreGrads backward_v_slices(const CoreArgs& a0, const at::Tensor& d_o, const at:
   const CoreArgs a = with_host_cu_seqlens(a0);
   const VSlices s = v_slices(a);
   const int vdim = state_v_dim(a);
-  const std::vector<CoreGrads> g = run_slices<CoreGrads>(
+  std::vector<CoreGrads> g = run_slices<CoreGrads>(
       s.n,
       [&](int64_t i) {
         CoreArgs ai = v_slice_args(a, s, i);
@@ -685,11 +686,12 @@ CoreGrads backward_v_slices(const CoreArgs& a0, const at::Tensor& d_o, const at:
         return std::vector<at::Tensor>{x.dq, x.dk, x.dv, x.dg, x.dbeta, x.d_initial_state, x.dgk, x.dgv};
       });
   // the sums over the slices, in slice order: fp32 up to the last slice's part, whose addition writes the dtype the
-  // gradient is returned in (the input's where the op layer allows it: one rounding, in the same kernel)
+  // gradient is returned in (the input's where the op layer allows it: one rounding, in the same kernel); the
+  // first slice's fp32 parts, a buffer of this call's own, hold the running sum
   auto sum = [&](at::Tensor CoreGrads::*field, at::ScalarType out) {
     if (!(g[0].*field).defined()) return at::Tensor();
-    at::Tensor acc = g[0].*field;
-    for (int64_t i = 1; i + 1 < s.n; ++i) acc = i == 1 ? acc + g[i].*field : acc.add_(g[i].*field);
+    at::Tensor& acc = g[0].*field;
+    for (int64_t i = 1; i + 1 < s.n; ++i) acc.add_(g[i].*field);
     at::Tensor total = at::empty(acc.sizes(), acc.options().dtype(out));
     at::add_out(total, acc, g[s.n - 1].*field);
     return total;
