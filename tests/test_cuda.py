@@ -179,6 +179,50 @@ def test_v_slices_are_calls_on_column_slices():
         assert whole[key].dtype == torch.bfloat16 and e <= 1e-2, (key, e)
 
 
+def _wide_view(x, pad, off):
+    """x as a view of columns off .. off + V of wider rows (V + pad columns), as a split of a fused projection gives
+    it: not contiguous, and with off not a multiple of 8, rows not 16-byte aligned."""
+    wide = torch.randn(*x.shape[:-1], x.shape[-1] + pad, device=x.device).to(x.dtype)
+    wide[..., off:off + x.shape[-1]] = x
+    return wide[..., off:off + x.shape[-1]]
+
+
+# B, T, H, HV, K, V, dtype, cu_seqlens: the one-kernel forward and the warpgroup backward from its residual; the
+# mma.sync kernels in fp32 and with K = 256; a varlen batch with V = 256 in fp16
+STRIDED = {
+    "fused_bf16": (2, 130, 8, 32, 128, 128, torch.bfloat16, None),
+    "fp32_K64": (2, 65, 2, 4, 64, 64, torch.float32, None),
+    "K256_bf16": (1, 130, 1, 2, 256, 64, torch.bfloat16, None),
+    "varlen_V256_fp16": (1, 300, 2, 8, 64, 256, torch.float16, [0, 1, 100, 300]),
+}
+
+
+@pytest.mark.parametrize("case", list(STRIDED))
+@pytest.mark.parametrize("algorithm", ["chunk", "scan"])
+def test_strided_v_and_d_o_are_read_in_place(case, algorithm):
+    """v and d_o given as views of some columns of wider rows run as the contiguous call does: every output and
+    gradient bitwise equal (read in place where their rows are 16-byte aligned, copied first where not)."""
+    B, T, H, HV, K, V, dtype, cu = STRIDED[case]
+    inp = make_inputs(B, T, H, HV, K, V, dtype, cu_seqlens=cu, seed=11)
+    N = B if cu is None else len(cu) - 1
+    d_o, d_ht = output_grads(inp, N, seed=12)
+    cu_t = inp.get("cu_seqlens")
+
+    def call(v, do):
+        args = (inp["q"], inp["k"], v, inp["g"], inp["beta"], K ** -0.5, inp["initial_state"])
+        rest = (cu_t, None, False, False, False, False, None, None, algorithm, 64)
+        o, ht, res = torch.ops.gated_delta.fwd_with_residual(*args, True, *rest)
+        grads = torch.ops.gated_delta.bwd(do, d_ht, *args, *rest, residual=res)
+        return (o, ht) + tuple(grads[:6])
+
+    ref = call(inp["v"], d_o)
+    for pad, off in ((64, 0), (128, 64), (16, 5)):
+        v, do = _wide_view(inp["v"], pad, off), _wide_view(d_o, pad, off)
+        assert not v.is_contiguous() and torch.equal(v, inp["v"])
+        for a, b in zip(ref, call(v, do)):
+            assert torch.equal(a, b), (pad, off)
+
+
 def test_v_slices_graph_replay_and_determinism():
     inp = make_inputs(1, 200, 1, 2, 64, 320, torch.bfloat16, seed=9)
     d_o, d_ht = output_grads(inp, 1)

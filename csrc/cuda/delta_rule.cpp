@@ -34,6 +34,13 @@ namespace {
 using cuda::Params;
 constexpr int kC = cuda::kChunk;
 
+// core_forward_cuda / core_backward_cuda, writing o (dv) into the given view where the call runs unpadded on the
+// chunk kernels (o_into / dv_into: undefined, or [B, T, HV, V] rows as rows_ld allows, a V slice's columns of the
+// whole call's output); elsewhere the result is a tensor of its own, which the caller copies
+CoreForward forward_cuda(const CoreArgs& a, bool output_final_state, bool keep_residual, const at::Tensor& o_into);
+CoreGrads backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state,
+                        const at::Tensor& dv_into);
+
 // The storage types the kernels take (dispatch.cuh) for q, k, v and, read in place, beta.
 bool is_kernel_dtype(at::ScalarType st) { return st == at::kBFloat16 || st == at::kHalf || st == at::kFloat; }
 
@@ -63,6 +70,44 @@ at::Tensor dense(const at::Tensor& x) {
   at::Tensor y = x.contiguous();
   if (reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 != 0) y = y.clone();
   return y;
+}
+
+// The row stride (Params::ld_v, ld_o, ld_do, ld_dv) of a [B, T, HV, V] tensor whose rows the kernels can address in
+// place: each head's V elements contiguous, the heads of a token ld >= V elements apart, the tokens HV ld apart, the
+// rows 16-byte aligned. A contiguous tensor has ld = V; a view of the first V columns of a wider tensor's rows (a
+// slice of v's columns, or a caller's split of a fused projection) has the wider tensor's. 0 for any other layout.
+int64_t rows_ld(const at::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), HV = x.size(2), V = x.size(3);
+  const int64_t ld = HV > 1 ? x.stride(2) : T > 1 ? x.stride(1) : B > 1 ? x.stride(0) : V;
+  const bool rows = ld >= V && (V == 1 || x.stride(3) == 1) && (HV == 1 || x.stride(2) == ld) &&
+                    (T == 1 || x.stride(1) == HV * ld) && (B == 1 || x.stride(0) == T * HV * ld);
+  const bool aligned = (ld * static_cast<int64_t>(x.element_size())) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  return rows && aligned ? ld : 0;
+}
+
+// An input of [B, T, HV, V] rows (v, d_o) as the kernels read it: in place where rows_ld allows, else a dense copy.
+struct Rows {
+  at::Tensor t;
+  int64_t ld;
+};
+Rows rows_of(const at::Tensor& x) {
+  const int64_t ld = rows_ld(x);
+  if (ld > 0) return {x, ld};
+  return {dense(x), x.size(3)};
+}
+
+// An output of [B, T, HV, V] rows (o, dv) the caller passed to be written in place: what rows_ld allows, of the
+// expected sizes and dtype (an internal invariant: the callers are the V slices below)
+int64_t output_ld(const at::Tensor& x, at::IntArrayRef sizes, std::initializer_list<at::ScalarType> dtypes,
+                  const char* name) {
+  const int64_t ld = rows_ld(x);
+  bool dtype_ok = false;
+  for (at::ScalarType d : dtypes) dtype_ok = dtype_ok || x.scalar_type() == d;
+  TORCH_CHECK(ld > 0 && x.sizes() == sizes && dtype_ok, "gated_delta CUDA: ", name, " to write in place must have ",
+              sizes, " rows of 16-byte aligned heads in a kernel dtype, got sizes ", x.sizes(), ", strides ",
+              x.strides(), ", ", x.scalar_type());
+  return ld;
 }
 
 int num_sms(const at::Tensor& x) {
@@ -226,6 +271,7 @@ Params base_params(const CoreArgs& a, const Layout& L) {
   p.HV = static_cast<int>(a.num_v_heads());
   p.K = static_cast<int>(a.head_k());
   p.V = static_cast<int>(a.head_v());
+  p.ld_v = p.ld_o = p.ld_do = p.ld_dv = p.V;  // (contiguous rows; the call sets those it reads in place)
   p.N = L.N;
   p.G = p.HV / p.H;
   p.BT = a.batch() * a.seqlen();
@@ -256,12 +302,15 @@ Params base_params(const CoreArgs& a, const Layout& L) {
 
 struct Inputs {
   at::Tensor q, k, v, g, beta, h0;
+  int64_t ld_v = 0;  // v's row stride (rows_ld)
 };
 Inputs dense_inputs(const CoreArgs& a) {
   Inputs in;
   in.q = dense(a.q);
   in.k = dense(a.k);
-  in.v = dense(a.v);
+  Rows v = rows_of(a.v);  // (read in place where its rows allow: a slice of a wider v's columns)
+  in.v = v.t;
+  in.ld_v = v.ld;
   in.g = dense(a.g.to(at::kFloat));
   // beta is read in place in a 16-bit dtype or fp32 (load_as_float), any other float dtype as fp32
   in.beta = dense(is_kernel_dtype(a.beta.scalar_type()) ? a.beta : a.beta.to(at::kFloat));
@@ -297,6 +346,7 @@ Call begin_call(const CoreArgs& a, bool backward) {
   c.p.q = c.in.q.data_ptr();
   c.p.k = c.in.k.data_ptr();
   c.p.v = c.in.v.data_ptr();
+  c.p.ld_v = c.in.ld_v;
   c.p.g = c.in.g.data_ptr<float>();
   c.p.beta = c.in.beta.data_ptr();
   c.p.beta_dtype = cuda::dtype_of(c.in.beta.scalar_type(), "beta");
@@ -654,17 +704,23 @@ CoreArgs with_host_cu_seqlens(const CoreArgs& a) {
 CoreForward forward_v_slices(const CoreArgs& a0, bool output_final_state, bool keep_residual) {
   const CoreArgs a = with_host_cu_seqlens(a0);
   const VSlices s = v_slices(a);
+  // each slice reads its columns of v and writes its columns of o in place (rows_ld), except where it is padded or
+  // runs the token loop: then its o is copied in
+  at::Tensor o = at::empty(a.v.sizes(), a.v.options());
   const std::vector<CoreForward> f = run_slices<CoreForward>(
       s.n,
-      [&](int64_t i) { return core_forward_cuda(v_slice_args(a, s, i), output_final_state, keep_residual && i == 0); },
+      [&](int64_t i) {
+        return forward_cuda(v_slice_args(a, s, i), output_final_state, keep_residual && i == 0, slice_cols(o, 3, s, i));
+      },
       [](const CoreForward& x) { return std::vector<at::Tensor>{x.o, x.final_state, x.residual}; });
-  std::vector<at::Tensor> o, fin;
-  for (const CoreForward& x : f) {
-    o.push_back(x.o);
-    if (output_final_state) fin.push_back(x.final_state);
+  std::vector<at::Tensor> fin;
+  for (int64_t i = 0; i < s.n; ++i) {
+    const at::Tensor oi = slice_cols(o, 3, s, i);
+    if (!f[i].o.is_same(oi)) oi.copy_(f[i].o);
+    if (output_final_state) fin.push_back(f[i].final_state);
   }
   CoreForward r;
-  r.o = at::cat(o, 3);
+  r.o = o;
   if (output_final_state) r.final_state = at::cat(fin, state_v_dim(a));
   r.residual = f[0].residual;
   return r;
@@ -674,13 +730,18 @@ CoreGrads backward_v_slices(const CoreArgs& a0, const at::Tensor& d_o, const at:
   const CoreArgs a = with_host_cu_seqlens(a0);
   const VSlices s = v_slices(a);
   const int vdim = state_v_dim(a);
+  const at::ScalarType f32 = at::kFloat;
+  // each slice reads its columns of v and d_o and writes its columns of dv in place (rows_ld), in the dtype dv is
+  // returned in, except where it is padded or runs the token loop: then its dv (fp32) is copied in
+  at::Tensor dv = at::empty(a.v.sizes(), a.v.options().dtype(a.grads_in_input_dtype ? a.v.scalar_type() : f32));
   std::vector<CoreGrads> g = run_slices<CoreGrads>(
       s.n,
       [&](int64_t i) {
         CoreArgs ai = v_slice_args(a, s, i);
-        ai.grads_in_input_dtype = false;  // (fp32 parts, added below)
+        ai.grads_in_input_dtype = false;  // (dq, dk: fp32 parts, added below)
         ai.dbeta_in_beta_dtype = false;
-        return core_backward_cuda(ai, slice_cols(d_o, 3, s, i), slice_cols(d_final_state, vdim, s, i));
+        return backward_cuda(ai, slice_cols(d_o, 3, s, i), slice_cols(d_final_state, vdim, s, i),
+                             slice_cols(dv, 3, s, i));
       },
       [](const CoreGrads& x) {
         return std::vector<at::Tensor>{x.dq, x.dk, x.dv, x.dg, x.dbeta, x.d_initial_state, x.dgk, x.dgv};
@@ -696,17 +757,17 @@ CoreGrads backward_v_slices(const CoreArgs& a0, const at::Tensor& d_o, const at:
     at::add_out(total, acc, g[s.n - 1].*field);
     return total;
   };
-  const at::ScalarType f32 = at::kFloat;
   CoreGrads r;
   r.dq = sum(&CoreGrads::dq, a.grads_in_input_dtype ? a.q.scalar_type() : f32);
   r.dk = sum(&CoreGrads::dk, a.grads_in_input_dtype ? a.k.scalar_type() : f32);
   r.dg = sum(&CoreGrads::dg, f32);
   r.dbeta = sum(&CoreGrads::dbeta, a.dbeta_in_beta_dtype ? a.beta.scalar_type() : f32);
   r.dgk = sum(&CoreGrads::dgk, f32);
-  r.dv = at::empty(a.v.sizes(), a.v.options().dtype(a.grads_in_input_dtype ? a.v.scalar_type() : f32));
+  r.dv = dv;
   std::vector<at::Tensor> dh0, dgv;
   for (int64_t i = 0; i < s.n; ++i) {
-    slice_cols(r.dv, 3, s, i).copy_(g[i].dv);  // (each slice's columns, rounded once where dv is 16-bit)
+    const at::Tensor dvi = slice_cols(dv, 3, s, i);
+    if (!g[i].dv.is_same(dvi)) dvi.copy_(g[i].dv);  // (rounded once where dv is 16-bit)
     if (g[i].d_initial_state.defined()) dh0.push_back(g[i].d_initial_state);
     if (g[i].dgv.defined()) dgv.push_back(g[i].dgv);
   }
@@ -715,9 +776,7 @@ CoreGrads backward_v_slices(const CoreArgs& a0, const at::Tensor& d_o, const at:
   return r;
 }
 
-}  // namespace
-
-CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state, bool keep_residual) {
+CoreForward forward_cuda(const CoreArgs& a, bool output_final_state, bool keep_residual, const at::Tensor& o_into) {
   if (needs_v_slices(a)) {
     check_head_k(a);
     c10::cuda::CUDAGuard guard(a.q.device());  // (the streams are the inputs' device's)
@@ -729,14 +788,15 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state, bool k
   }
   if (needs_padding(a)) {  // (the residual is the padded call's, which the backward pads the same way)
     check_cuda_limits(a);
-    CoreForward r = core_forward_cuda(padded_args(a), output_final_state, keep_residual);
+    CoreForward r = forward_cuda(padded_args(a), output_final_state, keep_residual, at::Tensor());
     r.o = cut_last(r.o, a.head_v());
     r.final_state = resize_state(r.final_state, a.state_v_first, a.head_k(), a.head_v());
     return r;
   }
   c10::cuda::CUDAGuard guard(a.q.device());
   Call c = begin_call(a, /*backward=*/false);
-  at::Tensor o = at::empty(c.in.v.sizes(), c.in.v.options());
+  const at::Tensor o = o_into.defined() ? o_into : at::empty(c.in.v.sizes(), c.in.v.options());
+  if (o_into.defined()) c.p.ld_o = output_ld(o_into, c.in.v.sizes(), {c.in.v.scalar_type()}, "o");
   at::Tensor ht;
   if (output_final_state) ht = at::empty(state_dims(c, a.state_v_first), c.fopts);
   c.p.o = o.data_ptr();
@@ -779,7 +839,8 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state, bool k
   return out;
 }
 
-CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state) {
+CoreGrads backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state,
+                        const at::Tensor& dv_into) {
   if (needs_v_slices(a)) {
     check_head_k(a);
     c10::cuda::CUDAGuard guard(a.q.device());  // (the streams are the inputs' device's)
@@ -794,8 +855,8 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   if (needs_padding(a)) {
     check_cuda_limits(a);
     const CoreArgs pa = padded_args(a);
-    CoreGrads g = core_backward_cuda(pa, pad_last(d_o, pa.head_v()),
-                                     resize_state(d_final_state, a.state_v_first, pa.head_k(), pa.head_v()));
+    CoreGrads g = backward_cuda(pa, pad_last(d_o, pa.head_v()),
+                                resize_state(d_final_state, a.state_v_first, pa.head_k(), pa.head_v()), at::Tensor());
     g.dq = cut_last(g.dq, a.head_k());
     g.dk = cut_last(g.dk, a.head_k());
     g.dv = cut_last(g.dv, a.head_v());
@@ -805,10 +866,11 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   c10::cuda::CUDAGuard guard(a.q.device());
   Call c = begin_call(a, /*backward=*/true);
   Params& p = c.p;
-  at::Tensor dO = dense(d_o.to(a.v.scalar_type()));
+  const Rows dO = rows_of(d_o.to(a.v.scalar_type()));  // (in place where its rows allow: a slice of a wider d_o)
   at::Tensor dht;
   if (d_final_state.defined()) dht = dense(d_final_state.to(at::kFloat));
-  p.d_o = dO.data_ptr();
+  p.d_o = dO.t.data_ptr();
+  p.ld_do = dO.ld;
   // dq, dk, dv in the input dtype when the op layer allows it; dk's partial sums stay fp32 in dk1
   p.grad_f32 = (a.grads_in_input_dtype && a.q.scalar_type() != at::kFloat) ? 0 : 1;
   const bool from_residual = a.residual.defined();
@@ -863,7 +925,9 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   states.release();
   p.hT = p.VnT = nullptr;
   if (!p.grad_f32) gr.dk = at::empty(c.in.k.sizes(), gopts);
-  gr.dv = at::empty(c.in.v.sizes(), gopts);
+  gr.dv = dv_into.defined() ? dv_into : at::empty(c.in.v.sizes(), gopts);
+  if (dv_into.defined()) p.ld_dv = output_ld(dv_into, c.in.v.sizes(), {c.in.v.scalar_type(), at::kFloat}, "dv");
+  p.dv_f32 = gr.dv.scalar_type() == at::kFloat ? 1 : 0;
   gr.dg = at::empty(c.in.g.sizes(), c.fopts);
   gr.dbeta = at::empty(c.in.beta.sizes(), a.dbeta_in_beta_dtype ? c.in.beta.options() : c.fopts);
   p.dk = gr.dk.data_ptr();
@@ -874,6 +938,16 @@ CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at:
   cuda::launch_grad_wy(p, c.dt, c.stream);
   gr.d_initial_state = dh0;
   return gr;
+}
+
+}  // namespace
+
+CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state, bool keep_residual) {
+  return forward_cuda(a, output_final_state, keep_residual, at::Tensor());
+}
+
+CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state) {
+  return backward_cuda(a, d_o, d_final_state, at::Tensor());
 }
 
 TORCH_LIBRARY_IMPL(gated_delta, CUDA, m) {

@@ -203,11 +203,11 @@ __global__ void __launch_bounds__(384, 1)
           mbar_expect_tx(bar, F::V_BYTES);
 #pragma unroll
           for (int b = 0; b < 2; ++b)
-            tma_load_2d(vs + b * (64 * 128), &tm_v, bar, hv * p.V + vt0 * F::TW + 64 * b, static_cast<int>(ci.bos));
+            tma_load_2d(vs + b * (64 * 128), &tm_v, bar, hv * p.ld_v + vt0 * F::TW + 64 * b, static_cast<int>(ci.bos));
         }
       } else {
-        const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V + vt0 * F::TW;
-        load_tile_sw128<St, C, 2 * F::TW, 64, 128>(vs, 0, vg, static_cast<int64_t>(p.HV) * p.V, ci.len, pt);
+        const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.ld_v + vt0 * F::TW;
+        load_tile_sw128<St, C, 2 * F::TW, 64, 128>(vs, 0, vg, static_cast<int64_t>(p.HV) * p.ld_v, ci.len, pt);
       }
     };
     // waits for a slot's copies when they are TMA's (cp.async's: cp_async_wait, as the caller counts its groups)
@@ -431,13 +431,13 @@ __global__ void __launch_bounds__(384, 1)
   if (run.zero) zero_acc(S);
   else load_state_tile<K, K, F::TW>(p, S, false, false, u, un.n, hv, vt, vr, 0, g8, q);
 
-  // O's rows [0, len) from the staging tile Os to og (row stride HV V), 16 bytes per lane
+  // O's rows [0, len) from the staging tile Os to og (row stride HV ld_o), 16 bytes per lane
   auto copy_o = [&](St* og, int len) {
     constexpr int EPV = 16 / sizeof(St), VPR = 2 * F::TW / EPV;
     for (int idx = tid; idx < C * VPR; idx += 256) {
       const int r = idx / VPR, cv = idx % VPR;
       if (r < len)
-        *reinterpret_cast<int4*>(og + static_cast<int64_t>(r) * p.HV * p.V + cv * EPV) =
+        *reinterpret_cast<int4*>(og + static_cast<int64_t>(r) * p.HV * p.ld_o + cv * EPV) =
             *reinterpret_cast<const int4*>(Os + r * LDT + cv * EPV);
     }
   };
@@ -518,7 +518,7 @@ __global__ void __launch_bounds__(384, 1)
 
     // S^T <- e^{gam_L} S^T + (Vn^T diag(e^{gam_L - gam})) K, then the output's (scale Vn^T) A^T into a fresh
     // accumulator
-    St* const og = static_cast<St*>(p.o) + (ci.bos * p.HV + hv) * p.V + vt0 * F::TW;
+    St* const og = static_cast<St*>(p.o) + (ci.bos * p.HV + hv) * p.ld_o + vt0 * F::TW;
     const float dl = exp2_approx(gs[C - 1]);
 #pragma unroll
     for (int nt = 0; nt < K / 8; ++nt)
@@ -581,7 +581,8 @@ void launch_fwd_fused(const Params& p, DType dtype, void* stream) {
     auto kern = fwd_fused_kernel<St>;
     GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
     constexpr bool half = std::is_same_v<St, __half>;
-    const int64_t HK = static_cast<int64_t>(p.H) * p.K, HVV = static_cast<int64_t>(p.HV) * p.V;
+    // (v's map: rows of HV ld_v elements, of which the boxes read each head's first V)
+    const int64_t HK = static_cast<int64_t>(p.H) * p.K, HVV = static_cast<int64_t>(p.HV) * p.ld_v;
     const CUtensorMap tk = tma_map_16bit(p.k, half, p.BT, HK, HK, C);
     const CUtensorMap tq = tma_map_16bit(p.q, half, p.BT, HK, HK, C);
     const CUtensorMap tv = tma_map_16bit(p.v, half, p.BT, HVV, HVV, C);

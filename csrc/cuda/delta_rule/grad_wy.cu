@@ -51,7 +51,7 @@ struct WyHead {
     chv = static_cast<int64_t>(c) * p.HV + hv;
     dW = static_cast<const St*>(p.dhT) + chv * p.V * p.K;  // (dW lives in dhT's tile, params.h)
     dVnT = static_cast<const St*>(p.dVnT) + chv * p.V * C;
-    v = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.V;
+    v = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.ld_v;
   }
 };
 
@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
     const WyHead<St> hd = head(gi);
     for (int vb = 0; vb < NVB; ++vb) {
       load_tile<St, C, C, 128>(dVr + vb * TILE, LDC, hd.dVnT + static_cast<int64_t>(vb) * 64 * C, C, C, tid);
-      load_tile<St, C, C, 128>(Vr + vb * TILE, LDC, hd.v + vb * 64, static_cast<int64_t>(p.HV) * V, ci.len, tid);
+      load_tile<St, C, C, 128>(Vr + vb * TILE, LDC, hd.v + vb * 64, static_cast<int64_t>(p.HV) * p.ld_v, ci.len, tid);
     }
     cp_async_commit();
   };
@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
       __syncthreads();
       load_tile<St, C, C, 128>(blk, LDC, hd.dVnT + static_cast<int64_t>(vb) * 64 * C, C, C, tid);
       if (need_v)
-        load_tile<St, C, C, 128>(blk + TILE, LDC, hd.v + vb * 64, static_cast<int64_t>(p.HV) * V, ci.len, tid);
+        load_tile<St, C, C, 128>(blk + TILE, LDC, hd.v + vb * 64, static_cast<int64_t>(p.HV) * p.ld_v, ci.len, tid);
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
@@ -365,8 +365,8 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
             const float y0 = Y[nt][2 * hr], y1 = Y[nt][2 * hr + 1];
             ry[hr] += to_f<St>(Vb[i * LDC + vl]) * y0 + to_f<St>(Vb[i * LDC + vl + 1]) * y1;
             if (i < ci.len) {
-              const int64_t off = (ci.bos + i) * p.HV * V + static_cast<int64_t>(hv) * V + vb * 64 + vl;
-              st2_grad<St>(p.dv, off, bet[i] * y0, bet[i] * y1, p.grad_f32);
+              const int64_t off = ((ci.bos + i) * p.HV + hv) * p.ld_dv + vb * 64 + vl;
+              st2_grad<St>(p.dv, off, bet[i] * y0, bet[i] * y1, p.dv_f32);
             }
           }
       }
@@ -575,7 +575,8 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
     for (int vb = 0; vb < NVB; ++vb) {
       load_tile_sw128<St, C, C, C, 128, false>(dVr + vb * ST, 0, hd.dVnT + static_cast<int64_t>(vb) * 64 * C, C, C,
                                                 tid);
-      load_tile_sw128<St, C, C, C, 128>(Vr + vb * ST, 0, hd.v + vb * 64, static_cast<int64_t>(p.HV) * V, ci.len, tid);
+      load_tile_sw128<St, C, C, C, 128>(Vr + vb * ST, 0, hd.v + vb * 64, static_cast<int64_t>(p.HV) * p.ld_v, ci.len,
+                                        tid);
     }
     cp_async_commit();
   };
@@ -659,7 +660,7 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
       const int i0 = 16 * warp + g8;
       const float bi[2] = {bet[i0], bet[i0 + 8]};
       const bool ok[2] = {i0 < ci.len, i0 + 8 < ci.len};
-      const int64_t HVV = static_cast<int64_t>(p.HV) * V, off = (ci.bos + i0) * HVV + static_cast<int64_t>(hv) * V;
+      const int64_t HVV = static_cast<int64_t>(p.HV) * p.ld_dv, off = (ci.bos + i0) * HVV + hv * p.ld_dv;
 #pragma unroll 1
       for (int vb = 0; vb < NVB; ++vb) {
         float Y[8][4];
@@ -676,7 +677,7 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
             Y[nt][2 * hr] = bi[hr] * y0;
             Y[nt][2 * hr + 1] = bi[hr] * y1;
           }
-        wy_store_grad<St>(p.dv, off + vb * 64, HVV, Y, ok, p.grad_f32, q);
+        wy_store_grad<St>(p.dv, off + vb * 64, HVV, Y, ok, p.dv_f32, q);
       }
     }
     __syncthreads();

@@ -3,7 +3,7 @@
 // files compile quickly.
 //
 // Layouts (all contiguous, C = 64 tokens per chunk, NC chunks in total, padded rows of a short chunk are zero):
-//   q, k   [BT, H, K]   v, o, d_o  [BT, HV, V]   g, beta, dg, dbeta  [BT, HV]  (BT = B * T flat tokens; g, dg fp32,
+//   q, k   [BT, H, K]   v, o, d_o  [BT, HV, V] (rows ld_v, ld_o, ld_do apart, below; dv's ld_dv)   g, beta, dg, dbeta  [BT, HV]  (BT = B * T flat tokens; g, dg fp32,
 //   beta, dbeta in a dtype of their own)
 //   W      [NC, HV, C, K]      U     [NC, HV, C, V]     A (masked Q K^T o E)  [NC, HV, C, C]
 //   Tm, TmB [NC, HV, C, C]     (I + M)^-1 and (I + M)^-1 diag(beta)
@@ -61,6 +61,11 @@ struct Params {
   const void* beta;     // beta_dtype (bf16, fp16 or fp32)
   DType beta_dtype;
   const void* d_o;
+  // Row strides of v, o, d_o and dv: elements from one value head's row of a token to the next head's (the token's
+  // rows are HV of them apart). V where the tensor is contiguous; larger where it is a view of the first V columns
+  // of a wider tensor's [.., HV, ld] rows (a slice of v's columns, or a caller's view), which the kernels then read
+  // and write in place.
+  int64_t ld_v, ld_o, ld_do, ld_dv;
 
   // intermediates
   void* W;
@@ -96,10 +101,11 @@ struct Params {
 
   // outputs
   void* o;
-  // dq, dk, dv in the input dtype St, or fp32 when grad_f32 is set. dk1: fp32 [BT, H, K] partial sums of dk
-  // (grad_qk writes the first part, grad_wy adds over the value heads of a group, then stores dk; with grad_f32
-  // dk and dk1 may be the same buffer).
+  // dq and dk in the input dtype St, or fp32 when grad_f32 is set; dv likewise by dv_f32. dk1: fp32 [BT, H, K]
+  // partial sums of dk (grad_qk writes the first part, grad_wy adds over the value heads of a group, then stores
+  // dk; with grad_f32 dk and dk1 may be the same buffer).
   int grad_f32;
+  int dv_f32;
   void* dq;
   float* dk1;
   void* dk;
