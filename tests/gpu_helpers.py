@@ -216,9 +216,33 @@ def _sanitize_v_slices():
         print("v slices", K, V, "ok", all(torch.isfinite(x).all().item() for x in r.values()))
 
 
+def _sanitize_strided():
+    """v and d_o read in place through their strides: v split from a fused q | k | v projection's output (tokens
+    2 H K + HV V elements apart) and d_o a slice of wider rows' columns, through the one-kernel forward and the
+    backward from its residual (16-bit, K = V = 128, 256 tiles of 64 columns), then through the mma.sync kernels
+    (K = 256); and V = 384 as three slices of 128 through the one-kernel forward."""
+    for (B, T, H, HV, K, V) in ((2, 130, 8, 32, 128, 128), (1, 130, 1, 2, 256, 64), (2, 130, 8, 32, 128, 384)):
+        inp = make_inputs(B, T, H, HV, K, V, torch.bfloat16)
+        d_o, d_ht = output_grads(inp, B)
+        fused = torch.randn(B, T, 2 * H * K + HV * V, device="cuda").bfloat16()
+        fused[..., 2 * H * K:] = inp["v"].reshape(B, T, HV * V)
+        v = fused[..., 2 * H * K:].unflatten(-1, (HV, V))
+        wide = torch.randn(B, T, HV, V + 64, device="cuda").bfloat16()
+        wide[..., :V] = d_o
+        do = wide[..., :V]
+        args = (inp["q"], inp["k"], v, inp["g"], inp["beta"], K ** -0.5, inp["initial_state"])
+        rest = (None, None, False, False, False, False, None, None, "chunk", 64)
+        o, ht, res = torch.ops.gated_delta.fwd_with_residual(*args, True, *rest)
+        grads = torch.ops.gated_delta.bwd(do, d_ht, *args, *rest, residual=res)
+        torch.cuda.synchronize()
+        print("strided", K, V, "ok", all(torch.isfinite(x).all().item() for x in (o, ht) + tuple(grads[:6])))
+
+
 if __name__ == "__main__":
     if "vslices" in sys.argv[1:]:
         sys.exit(_sanitize_v_slices())
+    if "strided" in sys.argv[1:]:
+        sys.exit(_sanitize_strided())
     if "fused" in sys.argv[1:]:
         import os
         os.environ["GATED_DELTA_FUSED_FWD"] = "1"

@@ -179,12 +179,20 @@ def test_v_slices_are_calls_on_column_slices():
         assert whole[key].dtype == torch.bfloat16 and e <= 1e-2, (key, e)
 
 
-def _wide_view(x, pad, off):
-    """x as a view of columns off .. off + V of wider rows (V + pad columns), as a split of a fused projection gives
-    it: not contiguous, and with off not a multiple of 8, rows not 16-byte aligned."""
-    wide = torch.randn(*x.shape[:-1], x.shape[-1] + pad, device=x.device).to(x.dtype)
-    wide[..., off:off + x.shape[-1]] = x
-    return wide[..., off:off + x.shape[-1]]
+def _strided_view(x, layout, off):
+    """x [B, T, HV, V] as a non-contiguous view holding the same values:
+    - "cols": columns off .. off + V of rows of V + 128 (a slice of a wider tensor's columns);
+    - "fused": elements off .. off + HV V of each token's row of a [B, T, off + HV V + 64] tensor, as v split from
+      the output of a fused q | k | v projection (tokens further apart than HV V).
+    An off that is no multiple of 8 leaves the rows not 16-byte aligned."""
+    B, T, HV, V = x.shape
+    if layout == "cols":
+        wide = torch.randn(B, T, HV, V + 128, device=x.device).to(x.dtype)
+        wide[..., off:off + V] = x
+        return wide[..., off:off + V]
+    fused = torch.randn(B, T, off + HV * V + 64, device=x.device).to(x.dtype)
+    fused[..., off:off + HV * V] = x.reshape(B, T, HV * V)
+    return fused[..., off:off + HV * V].unflatten(-1, (HV, V))
 
 
 # B, T, H, HV, K, V, dtype, cu_seqlens: the one-kernel forward and the warpgroup backward from its residual; the
@@ -200,8 +208,9 @@ STRIDED = {
 @pytest.mark.parametrize("case", list(STRIDED))
 @pytest.mark.parametrize("algorithm", ["chunk", "scan"])
 def test_strided_v_and_d_o_are_read_in_place(case, algorithm):
-    """v and d_o given as views of some columns of wider rows run as the contiguous call does: every output and
-    gradient bitwise equal (read in place where their rows are 16-byte aligned, copied first where not)."""
+    """v and d_o given as strided views (a slice of wider rows' columns, a split of a fused projection's output) run
+    as the contiguous call does: every output and gradient bitwise equal (read in place where their rows are 16-byte
+    aligned, copied first where not)."""
     B, T, H, HV, K, V, dtype, cu = STRIDED[case]
     inp = make_inputs(B, T, H, HV, K, V, dtype, cu_seqlens=cu, seed=11)
     N = B if cu is None else len(cu) - 1
@@ -216,11 +225,11 @@ def test_strided_v_and_d_o_are_read_in_place(case, algorithm):
         return (o, ht) + tuple(grads[:6])
 
     ref = call(inp["v"], d_o)
-    for pad, off in ((64, 0), (128, 64), (16, 5)):
-        v, do = _wide_view(inp["v"], pad, off), _wide_view(d_o, pad, off)
+    for layout, off in (("cols", 0), ("cols", 64), ("cols", 5), ("fused", 2 * H * K), ("fused", 3)):
+        v, do = _strided_view(inp["v"], layout, off), _strided_view(d_o, layout, off)
         assert not v.is_contiguous() and torch.equal(v, inp["v"])
         for a, b in zip(ref, call(v, do)):
-            assert torch.equal(a, b), (pad, off)
+            assert torch.equal(a, b), (layout, off)
 
 
 def test_v_slices_graph_replay_and_determinism():

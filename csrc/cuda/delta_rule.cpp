@@ -35,8 +35,8 @@ using cuda::Params;
 constexpr int kC = cuda::kChunk;
 
 // core_forward_cuda / core_backward_cuda, writing o (dv) into the given view where the call runs unpadded on the
-// chunk kernels (o_into / dv_into: undefined, or [B, T, HV, V] rows as rows_ld allows, a V slice's columns of the
-// whole call's output); elsewhere the result is a tensor of its own, which the caller copies
+// chunk kernels (o_into / dv_into: undefined, or as row_strides allows: a V slice's columns of the whole call's
+// output); elsewhere the result is a tensor of its own, which the caller copies
 CoreForward forward_cuda(const CoreArgs& a, bool output_final_state, bool keep_residual, const at::Tensor& o_into);
 CoreGrads backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state,
                         const at::Tensor& dv_into);
@@ -72,42 +72,48 @@ at::Tensor dense(const at::Tensor& x) {
   return y;
 }
 
-// The row stride (Params::ld_v, ld_o, ld_do, ld_dv) of a [B, T, HV, V] tensor whose rows the kernels can address in
-// place: each head's V elements contiguous, the heads of a token ld >= V elements apart, the tokens HV ld apart, the
-// rows 16-byte aligned. A contiguous tensor has ld = V; a view of the first V columns of a wider tensor's rows (a
-// slice of v's columns, or a caller's split of a fused projection) has the wider tensor's. 0 for any other layout.
-int64_t rows_ld(const at::Tensor& x) {
+// The strides (Params::ld_*, tok_*) by which the kernels address a [B, T, HV, V] tensor (v, o, d_o, dv) in place:
+// each head's V elements contiguous, the heads of a token ld >= V elements apart, the tokens tok >= HV ld apart
+// and the batch's sequences T tok, every head's row 16-byte aligned (cp.async and TMA move 16-byte vectors). A
+// contiguous tensor has ld = V, tok = HV V; a slice of v's columns, or v split from the output of a fused q | k | v
+// projection (tokens D elements apart), has larger ones. {0, 0} for any other layout.
+struct RowStrides {
+  int64_t ld = 0, tok = 0;
+};
+RowStrides row_strides(const at::Tensor& x) {
   const int64_t B = x.size(0), T = x.size(1), HV = x.size(2), V = x.size(3);
-  const int64_t ld = HV > 1 ? x.stride(2) : T > 1 ? x.stride(1) : B > 1 ? x.stride(0) : V;
-  const bool rows = ld >= V && (V == 1 || x.stride(3) == 1) && (HV == 1 || x.stride(2) == ld) &&
-                    (T == 1 || x.stride(1) == HV * ld) && (B == 1 || x.stride(0) == T * HV * ld);
-  const bool aligned = (ld * static_cast<int64_t>(x.element_size())) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
-  return rows && aligned ? ld : 0;
+  const int64_t ld = HV > 1 ? x.stride(2) : V;
+  const int64_t tok = T > 1 ? x.stride(1) : B > 1 ? x.stride(0) : HV * ld;
+  const bool rows = ld >= V && tok >= HV * ld && (V == 1 || x.stride(3) == 1) && (B == 1 || x.stride(0) == T * tok);
+  const int64_t es = x.element_size();
+  const bool aligned =
+      (ld * es) % 16 == 0 && (tok * es) % 16 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  return rows && aligned ? RowStrides{ld, tok} : RowStrides{};
 }
 
-// An input of [B, T, HV, V] rows (v, d_o) as the kernels read it: in place where rows_ld allows, else a dense copy.
+// An input (v, d_o) as the kernels read it: in place where row_strides allows, else a dense copy.
 struct Rows {
   at::Tensor t;
-  int64_t ld;
+  RowStrides s;
 };
 Rows rows_of(const at::Tensor& x) {
-  const int64_t ld = rows_ld(x);
-  if (ld > 0) return {x, ld};
-  return {dense(x), x.size(3)};
+  const RowStrides s = row_strides(x);
+  if (s.ld > 0) return {x, s};
+  const at::Tensor d = dense(x);
+  return {d, RowStrides{d.size(3), d.size(2) * d.size(3)}};
 }
 
-// An output of [B, T, HV, V] rows (o, dv) the caller passed to be written in place: what rows_ld allows, of the
-// expected sizes and dtype (an internal invariant: the callers are the V slices below)
-int64_t output_ld(const at::Tensor& x, at::IntArrayRef sizes, std::initializer_list<at::ScalarType> dtypes,
-                  const char* name) {
-  const int64_t ld = rows_ld(x);
+// An output (o, dv) the caller passed to be written in place: what row_strides allows, of the expected sizes and
+// dtype (an internal invariant: the callers are the V slices below)
+RowStrides output_strides(const at::Tensor& x, at::IntArrayRef sizes, std::initializer_list<at::ScalarType> dtypes,
+                          const char* name) {
+  const RowStrides s = row_strides(x);
   bool dtype_ok = false;
   for (at::ScalarType d : dtypes) dtype_ok = dtype_ok || x.scalar_type() == d;
-  TORCH_CHECK(ld > 0 && x.sizes() == sizes && dtype_ok, "gated_delta CUDA: ", name, " to write in place must have ",
+  TORCH_CHECK(s.ld > 0 && x.sizes() == sizes && dtype_ok, "gated_delta CUDA: ", name, " to write in place must have ",
               sizes, " rows of 16-byte aligned heads in a kernel dtype, got sizes ", x.sizes(), ", strides ",
               x.strides(), ", ", x.scalar_type());
-  return ld;
+  return s;
 }
 
 int num_sms(const at::Tensor& x) {
@@ -271,7 +277,8 @@ Params base_params(const CoreArgs& a, const Layout& L) {
   p.HV = static_cast<int>(a.num_v_heads());
   p.K = static_cast<int>(a.head_k());
   p.V = static_cast<int>(a.head_v());
-  p.ld_v = p.ld_o = p.ld_do = p.ld_dv = p.V;  // (contiguous rows; the call sets those it reads in place)
+  p.ld_v = p.ld_o = p.ld_do = p.ld_dv = p.V;  // (contiguous; the call sets those it addresses in place)
+  p.tok_v = p.tok_o = p.tok_do = p.tok_dv = static_cast<int64_t>(p.HV) * p.V;
   p.N = L.N;
   p.G = p.HV / p.H;
   p.BT = a.batch() * a.seqlen();
@@ -302,15 +309,15 @@ Params base_params(const CoreArgs& a, const Layout& L) {
 
 struct Inputs {
   at::Tensor q, k, v, g, beta, h0;
-  int64_t ld_v = 0;  // v's row stride (rows_ld)
+  RowStrides v_strides;  // (row_strides)
 };
 Inputs dense_inputs(const CoreArgs& a) {
   Inputs in;
   in.q = dense(a.q);
   in.k = dense(a.k);
-  Rows v = rows_of(a.v);  // (read in place where its rows allow: a slice of a wider v's columns)
+  Rows v = rows_of(a.v);  // (read in place where its strides allow)
   in.v = v.t;
-  in.ld_v = v.ld;
+  in.v_strides = v.s;
   in.g = dense(a.g.to(at::kFloat));
   // beta is read in place in a 16-bit dtype or fp32 (load_as_float), any other float dtype as fp32
   in.beta = dense(is_kernel_dtype(a.beta.scalar_type()) ? a.beta : a.beta.to(at::kFloat));
@@ -346,7 +353,8 @@ Call begin_call(const CoreArgs& a, bool backward) {
   c.p.q = c.in.q.data_ptr();
   c.p.k = c.in.k.data_ptr();
   c.p.v = c.in.v.data_ptr();
-  c.p.ld_v = c.in.ld_v;
+  c.p.ld_v = c.in.v_strides.ld;
+  c.p.tok_v = c.in.v_strides.tok;
   c.p.g = c.in.g.data_ptr<float>();
   c.p.beta = c.in.beta.data_ptr();
   c.p.beta_dtype = cuda::dtype_of(c.in.beta.scalar_type(), "beta");
@@ -704,7 +712,7 @@ CoreArgs with_host_cu_seqlens(const CoreArgs& a) {
 CoreForward forward_v_slices(const CoreArgs& a0, bool output_final_state, bool keep_residual) {
   const CoreArgs a = with_host_cu_seqlens(a0);
   const VSlices s = v_slices(a);
-  // each slice reads its columns of v and writes its columns of o in place (rows_ld), except where it is padded or
+  // each slice reads its columns of v and writes its columns of o in place (row_strides), except where it is padded or
   // runs the token loop: then its o is copied in
   at::Tensor o = at::empty(a.v.sizes(), a.v.options());
   const std::vector<CoreForward> f = run_slices<CoreForward>(
@@ -731,7 +739,7 @@ CoreGrads backward_v_slices(const CoreArgs& a0, const at::Tensor& d_o, const at:
   const VSlices s = v_slices(a);
   const int vdim = state_v_dim(a);
   const at::ScalarType f32 = at::kFloat;
-  // each slice reads its columns of v and d_o and writes its columns of dv in place (rows_ld), in the dtype dv is
+  // each slice reads its columns of v and d_o and writes its columns of dv in place (row_strides), in the dtype dv is
   // returned in, except where it is padded or runs the token loop: then its dv (fp32) is copied in
   at::Tensor dv = at::empty(a.v.sizes(), a.v.options().dtype(a.grads_in_input_dtype ? a.v.scalar_type() : f32));
   std::vector<CoreGrads> g = run_slices<CoreGrads>(
@@ -796,7 +804,11 @@ CoreForward forward_cuda(const CoreArgs& a, bool output_final_state, bool keep_r
   c10::cuda::CUDAGuard guard(a.q.device());
   Call c = begin_call(a, /*backward=*/false);
   const at::Tensor o = o_into.defined() ? o_into : at::empty(c.in.v.sizes(), c.in.v.options());
-  if (o_into.defined()) c.p.ld_o = output_ld(o_into, c.in.v.sizes(), {c.in.v.scalar_type()}, "o");
+  if (o_into.defined()) {
+    const RowStrides s = output_strides(o_into, c.in.v.sizes(), {c.in.v.scalar_type()}, "o");
+    c.p.ld_o = s.ld;
+    c.p.tok_o = s.tok;
+  }
   at::Tensor ht;
   if (output_final_state) ht = at::empty(state_dims(c, a.state_v_first), c.fopts);
   c.p.o = o.data_ptr();
@@ -866,11 +878,12 @@ CoreGrads backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tens
   c10::cuda::CUDAGuard guard(a.q.device());
   Call c = begin_call(a, /*backward=*/true);
   Params& p = c.p;
-  const Rows dO = rows_of(d_o.to(a.v.scalar_type()));  // (in place where its rows allow: a slice of a wider d_o)
+  const Rows dO = rows_of(d_o.to(a.v.scalar_type()));  // (read in place where its strides allow)
   at::Tensor dht;
   if (d_final_state.defined()) dht = dense(d_final_state.to(at::kFloat));
   p.d_o = dO.t.data_ptr();
-  p.ld_do = dO.ld;
+  p.ld_do = dO.s.ld;
+  p.tok_do = dO.s.tok;
   // dq, dk, dv in the input dtype when the op layer allows it; dk's partial sums stay fp32 in dk1
   p.grad_f32 = (a.grads_in_input_dtype && a.q.scalar_type() != at::kFloat) ? 0 : 1;
   const bool from_residual = a.residual.defined();
@@ -926,7 +939,11 @@ CoreGrads backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tens
   p.hT = p.VnT = nullptr;
   if (!p.grad_f32) gr.dk = at::empty(c.in.k.sizes(), gopts);
   gr.dv = dv_into.defined() ? dv_into : at::empty(c.in.v.sizes(), gopts);
-  if (dv_into.defined()) p.ld_dv = output_ld(dv_into, c.in.v.sizes(), {c.in.v.scalar_type(), at::kFloat}, "dv");
+  if (dv_into.defined()) {
+    const RowStrides s = output_strides(dv_into, c.in.v.sizes(), {c.in.v.scalar_type(), at::kFloat}, "dv");
+    p.ld_dv = s.ld;
+    p.tok_dv = s.tok;
+  }
   p.dv_f32 = gr.dv.scalar_type() == at::kFloat ? 1 : 0;
   gr.dg = at::empty(c.in.g.sizes(), c.fopts);
   gr.dbeta = at::empty(c.in.beta.sizes(), a.dbeta_in_beta_dtype ? c.in.beta.options() : c.fopts);

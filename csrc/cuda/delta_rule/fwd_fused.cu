@@ -206,8 +206,8 @@ __global__ void __launch_bounds__(384, 1)
             tma_load_2d(vs + b * (64 * 128), &tm_v, bar, hv * p.ld_v + vt0 * F::TW + 64 * b, static_cast<int>(ci.bos));
         }
       } else {
-        const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.ld_v + vt0 * F::TW;
-        load_tile_sw128<St, C, 2 * F::TW, 64, 128>(vs, 0, vg, static_cast<int64_t>(p.HV) * p.ld_v, ci.len, pt);
+        const St* vg = static_cast<const St*>(p.v) + ci.bos * p.tok_v + hv * p.ld_v + vt0 * F::TW;
+        load_tile_sw128<St, C, 2 * F::TW, 64, 128>(vs, 0, vg, p.tok_v, ci.len, pt);
       }
     };
     // waits for a slot's copies when they are TMA's (cp.async's: cp_async_wait, as the caller counts its groups)
@@ -437,7 +437,7 @@ __global__ void __launch_bounds__(384, 1)
     for (int idx = tid; idx < C * VPR; idx += 256) {
       const int r = idx / VPR, cv = idx % VPR;
       if (r < len)
-        *reinterpret_cast<int4*>(og + static_cast<int64_t>(r) * p.HV * p.ld_o + cv * EPV) =
+        *reinterpret_cast<int4*>(og + static_cast<int64_t>(r) * p.tok_o + cv * EPV) =
             *reinterpret_cast<const int4*>(Os + r * LDT + cv * EPV);
     }
   };
@@ -518,7 +518,7 @@ __global__ void __launch_bounds__(384, 1)
 
     // S^T <- e^{gam_L} S^T + (Vn^T diag(e^{gam_L - gam})) K, then the output's (scale Vn^T) A^T into a fresh
     // accumulator
-    St* const og = static_cast<St*>(p.o) + (ci.bos * p.HV + hv) * p.ld_o + vt0 * F::TW;
+    St* const og = static_cast<St*>(p.o) + ci.bos * p.tok_o + hv * p.ld_o + vt0 * F::TW;
     const float dl = exp2_approx(gs[C - 1]);
 #pragma unroll
     for (int nt = 0; nt < K / 8; ++nt)
@@ -581,11 +581,11 @@ void launch_fwd_fused(const Params& p, DType dtype, void* stream) {
     auto kern = fwd_fused_kernel<St>;
     GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), F::bytes));
     constexpr bool half = std::is_same_v<St, __half>;
-    // (v's map: rows of HV ld_v elements, of which the boxes read each head's first V)
+    // (v's map: a token's HV heads, ld_v apart, in rows tok_v apart; the boxes read each head's first V columns)
     const int64_t HK = static_cast<int64_t>(p.H) * p.K, HVV = static_cast<int64_t>(p.HV) * p.ld_v;
     const CUtensorMap tk = tma_map_16bit(p.k, half, p.BT, HK, HK, C);
     const CUtensorMap tq = tma_map_16bit(p.q, half, p.BT, HK, HK, C);
-    const CUtensorMap tv = tma_map_16bit(p.v, half, p.BT, HVV, HVV, C);
+    const CUtensorMap tv = tma_map_16bit(p.v, half, p.BT, HVV, p.tok_v, C);
     const dim3 grid(pass_grid_units(p), p.V / 128, p.HV);
     kern<<<grid, F::NT, F::bytes, static_cast<cudaStream_t>(stream)>>>(p, tk, tq, tv);
     GD_CUDA_LAUNCH_CHECK();

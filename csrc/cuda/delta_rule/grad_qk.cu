@@ -112,8 +112,8 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
     const int gi = s / nvt, vt = s % nvt, hv = h * p.G + gi;
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
     St* base = reinterpret_cast<St*>(smem + (s % STAGES) * F::STAGE_BYTES);
-    load_tile<St, C, C, 256>(base, LDC, static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * p.ld_do + vt * 64,
-                             static_cast<int64_t>(p.HV) * p.ld_do, ci.len, tid);
+    load_tile<St, C, C, 256>(base, LDC, static_cast<const St*>(p.d_o) + ci.bos * p.tok_do + hv * p.ld_do + vt * 64,
+                             p.tok_do, ci.len, tid);
     load_tile<St, C, C, 256>(base + TILE, LDC, static_cast<const St*>(p.VnT) + (chv * V + vt * 64) * C, C, C, tid);
     load_tile<St, C, C, 256>(base + 2 * TILE, LDC, static_cast<const St*>(p.dVnT) + (chv * V + vt * 64) * C, C, C,
                              tid);
@@ -395,10 +395,10 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
       dht = static_cast<const St*>(p.dhT) + w.chv0 * V * K + kcol;
       do_ok0 = r0 < w.ci.len;
       do_ok1 = r0 + 32 < w.ci.len;
-      const int64_t do_rs = static_cast<int64_t>(p.HV) * p.ld_do;
+      const int64_t do_rs = p.tok_do;
       const int64_t do_off0 = do_ok0 ? r0 * do_rs + cv * 8 : 0;
       do_d1 = (do_ok1 ? (r0 + 32) * do_rs + cv * 8 : 0) - do_off0;  // row r0 + 32 from row r0
-      dO = static_cast<const St*>(p.d_o) + (w.ci.bos * p.HV + w.h * p.G) * p.ld_do + do_off0;
+      dO = static_cast<const St*>(p.d_o) + w.ci.bos * p.tok_do + (w.h * p.G) * p.ld_do + do_off0;
       ichv0 = w.chv0;
       ikb0 = w.kb == 0;
       unsigned char* qk = smem + F::QK_OFF + (in_ % NQK) * 2 * ST;

@@ -51,7 +51,7 @@ struct WyHead {
     chv = static_cast<int64_t>(c) * p.HV + hv;
     dW = static_cast<const St*>(p.dhT) + chv * p.V * p.K;  // (dW lives in dhT's tile, params.h)
     dVnT = static_cast<const St*>(p.dVnT) + chv * p.V * C;
-    v = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.ld_v;
+    v = static_cast<const St*>(p.v) + ci.bos * p.tok_v + hv * p.ld_v;
   }
 };
 
@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
     const WyHead<St> hd = head(gi);
     for (int vb = 0; vb < NVB; ++vb) {
       load_tile<St, C, C, 128>(dVr + vb * TILE, LDC, hd.dVnT + static_cast<int64_t>(vb) * 64 * C, C, C, tid);
-      load_tile<St, C, C, 128>(Vr + vb * TILE, LDC, hd.v + vb * 64, static_cast<int64_t>(p.HV) * p.ld_v, ci.len, tid);
+      load_tile<St, C, C, 128>(Vr + vb * TILE, LDC, hd.v + vb * 64, p.tok_v, ci.len, tid);
     }
     cp_async_commit();
   };
@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
       __syncthreads();
       load_tile<St, C, C, 128>(blk, LDC, hd.dVnT + static_cast<int64_t>(vb) * 64 * C, C, C, tid);
       if (need_v)
-        load_tile<St, C, C, 128>(blk + TILE, LDC, hd.v + vb * 64, static_cast<int64_t>(p.HV) * p.ld_v, ci.len, tid);
+        load_tile<St, C, C, 128>(blk + TILE, LDC, hd.v + vb * 64, p.tok_v, ci.len, tid);
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(128) grad_wy_kernel(const Params p) {
             const float y0 = Y[nt][2 * hr], y1 = Y[nt][2 * hr + 1];
             ry[hr] += to_f<St>(Vb[i * LDC + vl]) * y0 + to_f<St>(Vb[i * LDC + vl + 1]) * y1;
             if (i < ci.len) {
-              const int64_t off = ((ci.bos + i) * p.HV + hv) * p.ld_dv + vb * 64 + vl;
+              const int64_t off = (ci.bos + i) * p.tok_dv + hv * p.ld_dv + vb * 64 + vl;
               st2_grad<St>(p.dv, off, bet[i] * y0, bet[i] * y1, p.dv_f32);
             }
           }
@@ -575,7 +575,7 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
     for (int vb = 0; vb < NVB; ++vb) {
       load_tile_sw128<St, C, C, C, 128, false>(dVr + vb * ST, 0, hd.dVnT + static_cast<int64_t>(vb) * 64 * C, C, C,
                                                 tid);
-      load_tile_sw128<St, C, C, C, 128>(Vr + vb * ST, 0, hd.v + vb * 64, static_cast<int64_t>(p.HV) * p.ld_v, ci.len,
+      load_tile_sw128<St, C, C, C, 128>(Vr + vb * ST, 0, hd.v + vb * 64, p.tok_v, ci.len,
                                         tid);
     }
     cp_async_commit();
@@ -660,7 +660,7 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
       const int i0 = 16 * warp + g8;
       const float bi[2] = {bet[i0], bet[i0 + 8]};
       const bool ok[2] = {i0 < ci.len, i0 + 8 < ci.len};
-      const int64_t HVV = static_cast<int64_t>(p.HV) * p.ld_dv, off = (ci.bos + i0) * HVV + hv * p.ld_dv;
+      const int64_t HVV = p.tok_dv, off = (ci.bos + i0) * HVV + hv * p.ld_dv;  // (HVV: token stride)
 #pragma unroll 1
       for (int vb = 0; vb < NVB; ++vb) {
         float Y[8][4];

@@ -2,9 +2,10 @@
 // filled by the host code (cuda/delta_rule.cpp) and passed by value to each kernel. No ATen headers, so the .cu
 // files compile quickly.
 //
-// Layouts (all contiguous, C = 64 tokens per chunk, NC chunks in total, padded rows of a short chunk are zero):
-//   q, k   [BT, H, K]   v, o, d_o  [BT, HV, V] (rows ld_v, ld_o, ld_do apart, below; dv's ld_dv)   g, beta, dg, dbeta  [BT, HV]  (BT = B * T flat tokens; g, dg fp32,
-//   beta, dbeta in a dtype of their own)
+// Layouts (contiguous unless said, C = 64 tokens per chunk, NC chunks in total, padded rows of a short chunk are
+// zero):
+//   q, k   [BT, H, K]   v, o, d_o, dv  [BT, HV, V] (also strided: ld_* and tok_*, below)
+//   g, beta, dg, dbeta  [BT, HV]  (BT = B * T flat tokens; g, dg fp32, beta, dbeta in a dtype of their own)
 //   W      [NC, HV, C, K]      U     [NC, HV, C, V]     A (masked Q K^T o E)  [NC, HV, C, C]
 //   Tm, TmB [NC, HV, C, C]     (I + M)^-1 and (I + M)^-1 diag(beta)
 //   gam    [NC, HV, C] fp32    in-chunk cumulative log decay (padded rows repeat the last valid one)
@@ -61,11 +62,11 @@ struct Params {
   const void* beta;     // beta_dtype (bf16, fp16 or fp32)
   DType beta_dtype;
   const void* d_o;
-  // Row strides of v, o, d_o and dv: elements from one value head's row of a token to the next head's (the token's
-  // rows are HV of them apart). V where the tensor is contiguous; larger where it is a view of the first V columns
-  // of a wider tensor's [.., HV, ld] rows (a slice of v's columns, or a caller's view), which the kernels then read
-  // and write in place.
+  // Strides of v, o, d_o and dv, in elements: ld_* from one value head's V elements of a token to the next head's,
+  // tok_* from one token to the next (V and HV V where the tensor is contiguous). A view of some columns of wider
+  // rows (a slice of v's columns; v split from a fused projection's output) is read and written in place.
   int64_t ld_v, ld_o, ld_do, ld_dv;
+  int64_t tok_v, tok_o, tok_do, tok_dv;
 
   // intermediates
   void* W;

@@ -296,8 +296,8 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
     if (p.W == nullptr) continue;  // the state passes form W and U from TmB (forms_wu)
     // the V tile goes where M and Tm were: all of it at once where it fits (16-bit, V <= 128), else 64 columns
     // at a time
-    const St* vg = static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.ld_v;
-    const int64_t vstride = static_cast<int64_t>(p.HV) * p.ld_v;
+    const St* vg = static_cast<const St*>(p.v) + ci.bos * p.tok_v + hv * p.ld_v;
+    const int64_t vstride = p.tok_v;
     if (whole_v && p.V == 128) load_tile<St, C, 128, 128>(Vs, LDV, vg, vstride, ci.len, tid);
     else load_tile<St, C, C, 128>(Vs, LDV, vg, vstride, ci.len, tid);  // (V = 64, or the first of several blocks)
     cp_async_commit();

@@ -127,8 +127,8 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
         load_tile_sw128<St, C, K, RT, NT>(kb, 64, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
       load_tile_sw128<St, C, C, C, NT>(reinterpret_cast<unsigned char*>(Ts), 0,
                                        static_cast<const St*>(p.fold_beta ? p.Tm : p.TmB) + chv * C * C, C, C, tid);
-      load_tile<St, C, TW * WGS, NT>(Us, LDT, static_cast<const St*>(p.v) + (ci.bos * p.HV + hv) * p.ld_v + vt0 * TW,
-                                     static_cast<int64_t>(p.HV) * p.ld_v, ci.len, tid);
+      load_tile<St, C, TW * WGS, NT>(Us, LDT, static_cast<const St*>(p.v) + ci.bos * p.tok_v + hv * p.ld_v + vt0 * TW,
+                                     p.tok_v, ci.len, tid);
       if constexpr (MODE == 0)
         load_tile_sw128<St, C, C, C, NT>(reinterpret_cast<unsigned char*>(As), 0,
                                          static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
     for (int idx = tid; idx < C * VPR; idx += NT) {
       const int r = idx / VPR, cv = idx % VPR;
       if (r < len)
-        *reinterpret_cast<int4*>(og + static_cast<int64_t>(r) * p.HV * p.ld_o + cv * EPV) =
+        *reinterpret_cast<int4*>(og + static_cast<int64_t>(r) * p.tok_o + cv * EPV) =
             *reinterpret_cast<const int4*>(Os + r * LDT + cv * EPV);
     }
   };
@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
     const bool out = MODE == 0 && c >= run.ob;
     constexpr int NO = (KS == 2) ? 4 : 8;
     const int t0 = (KS == 2) ? 32 * ks : 0;
-    St* const og = MODE == 0 ? static_cast<St*>(p.o) + (ci.bos * p.HV + hv) * p.ld_o + vt0 * TW : nullptr;
+    St* const og = MODE == 0 ? static_cast<St*>(p.o) + ci.bos * p.tok_o + hv * p.ld_o + vt0 * TW : nullptr;
     auto stage_o = [&] {  // through shared memory, to leave 16 bytes per lane
 #pragma unroll
       for (int nt = 0; nt < NO; ++nt)

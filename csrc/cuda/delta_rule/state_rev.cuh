@@ -104,8 +104,9 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
       load_tile_sw128<St, C, C, C, NT>(sw(As), 0, static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
       load_tile_sw128<St, C, C, C, NT>(sw(Ts), 0, static_cast<const St*>(p.fold_beta ? p.Tm : p.TmB) + chv * C * C,
                                        C, C, tid);
-      load_tile<St, C, TW * WGS, NT>(Ds, LDT, static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * p.ld_do + vt0 * TW,
-                                     static_cast<int64_t>(p.HV) * p.ld_do, ci.len, tid);
+      load_tile<St, C, TW * WGS, NT>(Ds, LDT,
+                                     static_cast<const St*>(p.d_o) + ci.bos * p.tok_do + hv * p.ld_do + vt0 * TW,
+                                     p.tok_do, ci.len, tid);
       if (tid < 16) cp_async16(gs + 4 * tid, p.gam + chv * C + 4 * tid, true);
       if (p.fold_beta && tid < C) bpre = chunk_beta_bits(p, ci, hv, tid);
       return;
@@ -116,8 +117,8 @@ __global__ void __launch_bounds__(RevCfg<St, K, TW, MODE, WGS>::NT, 1) state_rev
       if constexpr (!F::Q_ALIAS)
         load_tile<St, C, K, NT>(Qs, LDK, static_cast<const St*>(p.q) + ci.bos * HK + h * K, HK, ci.len, tid);
       load_tile<St, C, C, NT>(As, LDC, static_cast<const St*>(p.A) + chv * C * C, C, C, tid);
-      load_tile<St, C, TW, NT>(Ds, LDT, static_cast<const St*>(p.d_o) + (ci.bos * p.HV + hv) * p.ld_do + vt * TW,
-                              static_cast<int64_t>(p.HV) * p.ld_do, ci.len, tid);
+      load_tile<St, C, TW, NT>(Ds, LDT, static_cast<const St*>(p.d_o) + ci.bos * p.tok_do + hv * p.ld_do + vt * TW,
+                              p.tok_do, ci.len, tid);
     }
     if (tid < 16) cp_async16(gs + 4 * tid, p.gam + chv * C + 4 * tid, true);
   };
