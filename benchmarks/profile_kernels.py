@@ -1,4 +1,5 @@
-"""One forward+backward of gated_delta_rule per row, for Nsight Compute (bf16, K = V = 128, inputs as bench_gpu.py).
+"""One forward+backward of gated_delta_rule per row, for Nsight Compute (bf16, K = V = 128 unless --head-dims K:V says
+otherwise, inputs as bench_gpu.py).
 
     ncu --clock-control none --set full -k regex:'prep|state|grad|combine' -o REPORT \
         python3 benchmarks/profile_kernels.py --rows 1x32768:2:8 [--calls 2] [--fwd-only]
@@ -8,6 +9,7 @@ profile all and read the last. Prints each row's device time per kernel name fro
 given (no ncu needed), with the call's span (first kernel start to last kernel end) and its eager time. --host
 prints where the eager time goes: the host's work per call (self CPU time of ops and CUDA runtime calls), the time
 from the op's start to its first kernel, and the gaps between its kernels (--trace FILE also writes a Chrome trace).
+--timeline lists one call's kernels in the order they start, with the call's busy time (bench_gpu.py's device time).
 """
 import argparse
 import os
@@ -19,18 +21,19 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_gpu import make, parse_rows, time_fn, K  # noqa: E402
+import bench_gpu  # noqa: E402
+from bench_gpu import busy_us, make, parse_rows, time_fn  # noqa: E402
 from gated_delta import gated_delta_rule  # noqa: E402
 
 
 def call(xs, do, fwd_only):
     if fwd_only:
         with torch.no_grad():
-            gated_delta_rule(*xs, scale=K ** -0.5)
+            gated_delta_rule(*xs, scale=bench_gpu.K ** -0.5)
         return
     for x in xs:
         x.grad = None
-    o = gated_delta_rule(*xs, scale=K ** -0.5)[0]
+    o = gated_delta_rule(*xs, scale=bench_gpu.K ** -0.5)[0]
     o.backward(do)
 
 
@@ -57,6 +60,27 @@ def table(row, xs, do, fwd_only):
     span = (max(b for _, b in ranges) - min(a for a, _ in ranges)) / 1e3 if ranges else float("nan")
     eager = time_fn(lambda: call(xs, do, fwd_only), [()], 20)
     print(f"  span {span:.3f} ms, eager {eager:.3f} ms")
+
+
+def timeline(row, xs, do, fwd_only):
+    """One call's kernels in the order they start: start (from the first kernel's) and duration in us, and the
+    call's busy time (the union of the kernels' intervals, bench_gpu's device time: kernels of two streams that
+    overlap count once)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        call(xs, do, fwd_only)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call(xs, do, fwd_only)
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    busy = busy_us([(e.time_range.start, e.time_range.end) for e in ev]) / 1e3
+    print(f"row {row} K={bench_gpu.K} V={bench_gpu.V} {'fwd' if fwd_only else 'fwd+bwd'}: busy {busy:.3f} ms")
+    t0 = ev[0].time_range.start if ev else 0
+    for e in ev:
+        name = e.name.split("(")[0][:100]
+        print(f"  {e.time_range.start - t0:9.1f} {e.time_range.end - e.time_range.start:8.1f}  {name}")
 
 
 def host(row, xs, do, fwd_only, trace=None):
@@ -102,11 +126,17 @@ def main():
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--host", action="store_true", help="where the eager time goes: host work and kernel gaps")
     ap.add_argument("--trace", default=None, help="with --host: write the profile as a Chrome trace to this file")
+    ap.add_argument("--timeline", action="store_true", help="one call's kernels in start order, and its busy time")
+    ap.add_argument("--head-dims", default="128:128", metavar="K:V", help="head dims of q/k and of v")
     a = ap.parse_args()
+    bench_gpu.K, bench_gpu.V = (int(x) for x in a.head_dims.split(":"))
     for row in parse_rows(a.rows):
         xs, do = make(*row, seed=0, requires_grad=not a.fwd_only)
         if a.table:
             table(row, xs, do, a.fwd_only)
+            continue
+        if a.timeline:
+            timeline(row, xs, do, a.fwd_only)
             continue
         if a.host:
             host(row, xs, do, a.fwd_only, a.trace)
