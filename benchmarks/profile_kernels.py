@@ -37,7 +37,8 @@ def call(xs, do, fwd_only):
     o.backward(do)
 
 
-def table(row, xs, do, fwd_only):
+def one_call_kernels(xs, do, fwd_only):
+    """The CUDA events (kernels, copies, memsets) of one call after three warm-up calls, in the order they start."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -46,17 +47,21 @@ def table(row, xs, do, fwd_only):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         call(xs, do, fwd_only)
         torch.cuda.synchronize()
+    return sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+
+
+def table(row, xs, do, fwd_only):
+    ev = one_call_kernels(xs, do, fwd_only)
     per = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            name = e.name.split("<")[0].split("(")[0]
-            per[name] = per.get(name, 0.0) + e.device_time_total / 1e3
+    for e in ev:
+        name = e.name.split("<")[0].split("(")[0]
+        per[name] = per.get(name, 0.0) + e.device_time_total / 1e3
     print(f"row {row} {'fwd' if fwd_only else 'fwd+bwd'}: total {sum(per.values()):.3f} ms")
     for name, ms in sorted(per.items(), key=lambda kv: -kv[1]):
         print(f"  {ms:8.3f} ms  {name}")
     # the same call from its first kernel's start to its last kernel's end (gaps between kernels included, overlap
     # counted once), and its eager time (CUDA events around the call, median of 20)
-    ranges = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+    ranges = [(e.time_range.start, e.time_range.end) for e in ev]
     span = (max(b for _, b in ranges) - min(a for a, _ in ranges)) / 1e3 if ranges else float("nan")
     eager = time_fn(lambda: call(xs, do, fwd_only), [()], 20)
     print(f"  span {span:.3f} ms, eager {eager:.3f} ms")
@@ -66,15 +71,7 @@ def timeline(row, xs, do, fwd_only):
     """One call's kernels in the order they start: start (from the first kernel's) and duration in us, and the
     call's busy time (the union of the kernels' intervals, bench_gpu's device time: kernels of two streams that
     overlap count once)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        call(xs, do, fwd_only)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        call(xs, do, fwd_only)
-        torch.cuda.synchronize()
-    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    ev = one_call_kernels(xs, do, fwd_only)
     busy = busy_us([(e.time_range.start, e.time_range.end) for e in ev]) / 1e3
     print(f"row {row} K={bench_gpu.K} V={bench_gpu.V} {'fwd' if fwd_only else 'fwd+bwd'}: busy {busy:.3f} ms")
     t0 = ev[0].time_range.start if ev else 0
