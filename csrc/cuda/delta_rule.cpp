@@ -713,7 +713,8 @@ CoreForward forward_v_slices(const CoreArgs& a0, bool output_final_state, bool k
   const CoreArgs a = with_host_cu_seqlens(a0);
   const VSlices s = v_slices(a);
   // each slice reads its columns of v and writes its columns of o in place (row_strides), except where it is padded or
-  // runs the token loop: then its o is copied in
+  // runs the token loop: then its o is copied in (copy_ returns at once where source and destination are the same
+  // view of the same memory, as for the slices written in place)
   at::Tensor o = at::empty(a.v.sizes(), a.v.options());
   const std::vector<CoreForward> f = run_slices<CoreForward>(
       s.n,
@@ -723,8 +724,7 @@ CoreForward forward_v_slices(const CoreArgs& a0, bool output_final_state, bool k
       [](const CoreForward& x) { return std::vector<at::Tensor>{x.o, x.final_state, x.residual}; });
   std::vector<at::Tensor> fin;
   for (int64_t i = 0; i < s.n; ++i) {
-    const at::Tensor oi = slice_cols(o, 3, s, i);
-    if (!f[i].o.is_same(oi)) oi.copy_(f[i].o);
+    slice_cols(o, 3, s, i).copy_(f[i].o);
     if (output_final_state) fin.push_back(f[i].final_state);
   }
   CoreForward r;
@@ -740,7 +740,7 @@ CoreGrads backward_v_slices(const CoreArgs& a0, const at::Tensor& d_o, const at:
   const int vdim = state_v_dim(a);
   const at::ScalarType f32 = at::kFloat;
   // each slice reads its columns of v and d_o and writes its columns of dv in place (row_strides), in the dtype dv is
-  // returned in, except where it is padded or runs the token loop: then its dv (fp32) is copied in
+  // returned in, except where it is padded or runs the token loop: then its dv (fp32) is copied in (as o, above)
   at::Tensor dv = at::empty(a.v.sizes(), a.v.options().dtype(a.grads_in_input_dtype ? a.v.scalar_type() : f32));
   std::vector<CoreGrads> g = run_slices<CoreGrads>(
       s.n,
@@ -774,8 +774,7 @@ CoreGrads backward_v_slices(const CoreArgs& a0, const at::Tensor& d_o, const at:
   r.dv = dv;
   std::vector<at::Tensor> dh0, dgv;
   for (int64_t i = 0; i < s.n; ++i) {
-    const at::Tensor dvi = slice_cols(dv, 3, s, i);
-    if (!g[i].dv.is_same(dvi)) dvi.copy_(g[i].dv);  // (rounded once where dv is 16-bit)
+    slice_cols(dv, 3, s, i).copy_(g[i].dv);  // (rounded once where dv is 16-bit)
     if (g[i].d_initial_state.defined()) dh0.push_back(g[i].d_initial_state);
     if (g[i].dgv.defined()) dgv.push_back(g[i].dgv);
   }
