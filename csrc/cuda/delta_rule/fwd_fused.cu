@@ -431,7 +431,7 @@ __global__ void __launch_bounds__(384, 1)
   if (run.zero) zero_acc(S);
   else load_state_tile<K, K, F::TW>(p, S, false, false, u, un.n, hv, vt, vr, 0, g8, q);
 
-  // O's rows [0, len) from the staging tile Os to og (row stride HV ld_o), 16 bytes per lane
+  // O's rows [0, len) from the staging tile Os to og (row stride tok_o), 16 bytes per lane
   auto copy_o = [&](St* og, int len) {
     constexpr int EPV = 16 / sizeof(St), VPR = 2 * F::TW / EPV;
     for (int idx = tid; idx < C * VPR; idx += 256) {

@@ -575,8 +575,7 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
     for (int vb = 0; vb < NVB; ++vb) {
       load_tile_sw128<St, C, C, C, 128, false>(dVr + vb * ST, 0, hd.dVnT + static_cast<int64_t>(vb) * 64 * C, C, C,
                                                 tid);
-      load_tile_sw128<St, C, C, C, 128>(Vr + vb * ST, 0, hd.v + vb * 64, p.tok_v, ci.len,
-                                        tid);
+      load_tile_sw128<St, C, C, C, 128>(Vr + vb * ST, 0, hd.v + vb * 64, p.tok_v, ci.len, tid);
     }
     cp_async_commit();
   };

@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(FwdCfg<St, K, MODE, TW, KSP, WGS>::NT, 1) stat
   if (run.zero) zero_acc(S);
   else load_state_tile<K, KW, TW>(p, S, MODE == 2, homog, u, un.n, hv, vt, vr, ks, g8, q);
 
-  // O's rows [0, len) from the staging tile Os to og (row stride HV ld_o), 16 bytes per lane
+  // O's rows [0, len) from the staging tile Os to og (row stride tok_o), 16 bytes per lane
   auto copy_o = [&](St* og, int len) {
     constexpr int EPV = 16 / sizeof(St), VPR = TW * WGS / EPV;
     for (int idx = tid; idx < C * VPR; idx += NT) {
