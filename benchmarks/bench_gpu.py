@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 DEFAULT_ROWS = "1x32768:16:64,4x8192:16:64,1x32768:16:32,8x4096:16:32,1x8192:16:32,1x32768:2:8,1x8192:4:8"
 K = V = 128  # (--head-dims sets them before anything is made)
+L2NORM = False  # (--l2norm: q and k unnormalised, every implementation called with use_qk_l2norm_in_kernel=True)
 IMPLS = ("ours", "qla", "fla")  # the implementations a row can hold, in table order
 PLOT_STYLE = {"ours": ("gated_delta (CUDA)", "tab:blue"), "qla": ("FlashQLA (TileLang)", "tab:orange"),
               "fla": ("FLA (Triton)", "tab:green")}  # the plot's label and colour of each
@@ -55,8 +56,9 @@ def parse_rows(s):
 
 def make(B, T, H, HV, seed, requires_grad=False):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = F.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1).bfloat16()
+    unit = (lambda x: x) if L2NORM else (lambda x: F.normalize(x, dim=-1))  # noqa: E731
+    q = unit(torch.randn(B, T, H, K, device="cuda", generator=gen)).bfloat16()
+    k = unit(torch.randn(B, T, H, K, device="cuda", generator=gen)).bfloat16()
     v = torch.randn(B, T, HV, V, device="cuda", generator=gen).bfloat16()
     g = F.logsigmoid(torch.randn(B, T, HV, device="cuda", generator=gen) + 3.0)
     beta = torch.sigmoid(torch.randn(B, T, HV, device="cuda", generator=gen)).bfloat16()
@@ -106,16 +108,17 @@ def load_qla():
 def impls(use_fla, use_qla=True):
     from gated_delta import gated_delta_rule
 
-    out = {"ours": lambda q, k, v, g, b: gated_delta_rule(q, k, v, g, b, scale=K ** -0.5)[0]}
+    kw = {"scale": K ** -0.5, "use_qk_l2norm_in_kernel": L2NORM}
+    out = {"ours": lambda q, k, v, g, b: gated_delta_rule(q, k, v, g, b, **kw)[0]}
     note = None
     if use_qla:
         qla = load_qla()
         if qla is not None:
-            out["qla"] = lambda q, k, v, g, b: qla(q, k, v, g, b, scale=K ** -0.5)[0]
+            out["qla"] = lambda q, k, v, g, b: qla(q, k, v, g, b, **kw)[0]
     if use_fla:
         fla, note = load_fla()
         if fla is not None:
-            out["fla"] = lambda q, k, v, g, b: fla(q, k, v, g, b, scale=K ** -0.5)[0]
+            out["fla"] = lambda q, k, v, g, b: fla(q, k, v, g, b, **kw)[0]
     return out, note
 
 
@@ -236,7 +239,7 @@ def errors(H, HV, fns, T=1024):
     from gpu_helpers import reference, rel_err
 
     xs, do = make(1, T, H, HV, seed=999)
-    inp = dict(q=xs[0], k=xs[1], v=xs[2], g=xs[3], beta=xs[4])
+    inp = dict(q=xs[0], k=xs[1], v=xs[2], g=xs[3], beta=xs[4], use_qk_l2norm_in_kernel=L2NORM)
     ref = reference(inp, d_o=do, d_ht=torch.zeros(1, HV, K, V, device="cuda"))
     out = {}
     for name, f in fns.items():
@@ -326,7 +329,9 @@ def report(meta, note, results, errs, cold):
     lines = [f"Date {meta['date']}; {meta['gpu']}; torch {meta['torch']} (CUDA {meta['cuda']}); "
              f"triton {meta.get('triton', '-')}; FLA {meta.get('fla', '-')}; FlashQLA {meta.get('flash_qla', '-')} "
              f"(TileLang {meta.get('tilelang', '-')}); gated_delta {meta['gated_delta']}; bf16, K = {meta.get('K', 128)}, "
-             f"V = {meta.get('V', 128)}.",  # (runs before --head-dims: 128)
+             f"V = {meta.get('V', 128)}." + (" q and k unnormalised, normalised by each implementation "
+                                              "(use_qk_l2norm_in_kernel=True)." if meta.get("l2norm") else ""),
+             # (runs before --head-dims: K = V = 128)
              f"Command: `{meta['command']}`.", ""]
     if note:
         lines += [f"Note: {note}.", ""]
@@ -400,7 +405,7 @@ def merge_results(paths):
 
 
 def main():
-    global K, V
+    global K, V, L2NORM
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--rows", default=DEFAULT_ROWS)
@@ -409,6 +414,9 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-qla", action="store_true", help="leave FlashQLA out")
     ap.add_argument("--head-dims", default=f"{K}:{V}", metavar="K:V", help="head dims of q/k and of v")
+    ap.add_argument("--l2norm", action="store_true",
+                    help="q and k unnormalised, every implementation normalising them (use_qk_l2norm_in_kernel=True), "
+                         "as a Gated DeltaNet layer calls it")
     ap.add_argument("--no-errors", action="store_true")
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--no-fla-cold", action="store_true")
@@ -421,6 +429,7 @@ def main():
     ap.add_argument("--plot-to", default="bench_gpu.png")
     args = ap.parse_args()
     K, V = (int(x) for x in args.head_dims.split(":"))
+    L2NORM = args.l2norm
     if args.plot_from:
         results, gpu = merge_results(args.plot_from)
         if not plot(results, args.plot_to, gpu):
@@ -442,6 +451,7 @@ def main():
         "note": note,
         "K": K,
         "V": V,
+        "l2norm": L2NORM,
     }
     try:
         import triton

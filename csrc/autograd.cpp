@@ -5,7 +5,8 @@
 // (fwd_with_residual: on CUDA the chunks' preparation; no per-token state is ever kept; none in a traced call or
 // with GATED_DELTA_BACKWARD_RESIDUAL=0). A call that records no graph (grad mode off, or no input requiring grad)
 // and carries no forward-mode tangent goes straight to the op below autograd.
-// short_conv_update and decode_step mutate a cache and are inference-only (no autograd kernel).
+// short_conv_update and decode_step mutate a cache and are inference-only (no autograd kernel); the backward ops
+// (bwd, short_conv_bwd, gated_rmsnorm_bwd, l2norm_bwd) are not differentiable themselves.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -268,12 +269,37 @@ std::tuple<at::Tensor, at::Tensor> gated_rmsnorm_fwd_autograd(const at::Tensor& 
   return {out[0], out[1]};
 }
 
+// ---- L2 normalisation ----
+
+class L2NormFunction : public torch::autograd::Function<L2NormFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, double eps,
+                               c10::optional<at::ScalarType> out_dtype) {
+    ctx->save_for_backward({x});
+    ctx->saved_data["eps"] = eps;
+    return {call_l2norm_fwd(x, eps, out_dtype)};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor x = ctx->get_saved_variables()[0];
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    return {call_l2norm_bwd(grads[0], x, ctx->saved_data["eps"].toDouble(), x.scalar_type()), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+at::Tensor l2norm_fwd_autograd(const at::Tensor& x, double eps, c10::optional<at::ScalarType> out_dtype) {
+  if (!records_graph(x)) return call_l2norm_fwd(x, eps, out_dtype);
+  return L2NormFunction::apply(x, eps, out_dtype)[0];
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gated_delta, Autograd, m) {
   m.impl("fwd", fwd_kernel<delta_rule_fwd_autograd>);
   m.impl("short_conv_fwd", &short_conv_fwd_autograd);
   m.impl("gated_rmsnorm_fwd", &gated_rmsnorm_fwd_autograd);
+  m.impl("l2norm_fwd", &l2norm_fwd_autograd);
 }
 
 }  // namespace gated_delta

@@ -61,6 +61,13 @@ void check_cu_seqlens_values(const at::Tensor& cu_host, int64_t T, const char* n
                                  std::to_string(p[n - 1]));
 }
 
+at::Tensor host_cu_seqlens(const at::Tensor& cu_seqlens, const at::Tensor& cu_seqlens_cpu, int64_t T) {
+  if (cu_seqlens_cpu.defined()) return cu_seqlens_cpu.to(at::kLong).contiguous();
+  at::Tensor cu = cu_seqlens.to(at::kCPU).to(at::kLong).contiguous();
+  check_cu_seqlens_values(cu, T, "cu_seqlens");
+  return cu;
+}
+
 namespace {
 
 struct QKVSizes {
@@ -286,6 +293,23 @@ ConvSizes check_short_conv_update_args(const at::Tensor& x, const at::Tensor& co
   TORCH_CHECK(conv_state.is_contiguous(), "conv_state must be contiguous (it is updated in place), got strides ",
               conv_state.strides());
   return s;
+}
+
+at::ScalarType check_l2norm_args(const at::Tensor& x, double eps, const c10::optional<at::ScalarType>& out_dtype) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1, "x must have shape [..., D] with D >= 1, got ", shape_str(x));
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), "x must be float64, float32, bfloat16 or float16, got ",
+              x.scalar_type());
+  const at::ScalarType out = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK(is_float_dtype(out), "out_dtype must be float64, float32, bfloat16 or float16, got ", out);
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "eps must be a finite number >= 0, got ", eps);
+  return out;
+}
+
+void check_l2norm_grad(const at::Tensor& x, const at::Tensor& dy) {
+  check_device_as(x, "x", dy, "dy");
+  TORCH_CHECK(dy.sizes() == x.sizes(), "dy must have the shape of x ", shape_str(x), ", got ", shape_str(dy));
+  TORCH_CHECK(is_float_dtype(dy.scalar_type()), "dy must be float64, float32, bfloat16 or float16, got ",
+              dy.scalar_type());
 }
 
 NormSizes check_gated_rmsnorm_args(const at::Tensor& x, const c10::optional<at::Tensor>& gate,

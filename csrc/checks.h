@@ -45,6 +45,10 @@ int64_t check_cu_seqlens(const at::Tensor& cu, int64_t B, const at::Tensor& ref,
 // The values of a host copy of cu_seqlens: starts at 0, never decreases, ends at T.
 void check_cu_seqlens_values(const at::Tensor& cu_host, int64_t T, const char* name);
 
+// cu_seqlens on the host as int64: the caller's host copy where it gave one (whose values the op layer checked),
+// else one device->host copy of cu_seqlens, checked here against the packed length T.
+at::Tensor host_cu_seqlens(const at::Tensor& cu_seqlens, const at::Tensor& cu_seqlens_cpu, int64_t T);
+
 // ---- the gated delta rule (fwd, bwd) ----
 
 struct Sizes {
@@ -85,6 +89,18 @@ struct NormSizes {
 NormSizes check_gated_rmsnorm_args(const at::Tensor& x, const c10::optional<at::Tensor>& gate,
                                    const c10::optional<at::Tensor>& weight, double eps);
 void check_gated_rmsnorm_grads(const at::Tensor& x, const NormSizes& s, const at::Tensor& dy, const at::Tensor& rstd);
+
+// ---- L2 normalisation (l2norm_fwd, l2norm_bwd) ----
+
+// x [..., D] (D >= 1) in a float dtype, out_dtype (absent: x's) a float dtype, eps finite and >= 0. Returns the
+// dtype of the result.
+at::ScalarType check_l2norm_args(const at::Tensor& x, double eps, const c10::optional<at::ScalarType>& out_dtype);
+// dy: x's shape and device, a float dtype.
+void check_l2norm_grad(const at::Tensor& x, const at::Tensor& dy);
+// The dtype l2norm computes in: float64 where x or the result is float64, float32 otherwise.
+inline at::ScalarType l2norm_compute_dtype(at::ScalarType x, at::ScalarType out) {
+  return acc_dtype(c10::promoteTypes(x, out));
+}
 
 // ---- fused decode step ----
 

@@ -262,12 +262,27 @@ struct CoreGrads {
 // The pre-processed inputs plus what the backward chain rule needs of the pre-processing.
 struct Preprocessed {
   CoreArgs core;
-  at::Tensor q_rnorm, k_rnorm;  // 1/sqrt(|x|^2 + eps) [B, T, H, 1] when use_qk_l2norm_in_kernel
-  at::Tensor q_unit, k_unit;    // normalised q, k in the compute dtype
-  at::Tensor beta_sig;          // sigmoid(beta) when use_beta_sigmoid_in_kernel
-  at::Tensor gate_arg;          // g_raw + dt_bias when use_gate_in_kernel
+  at::Tensor beta_sig;  // sigmoid(beta) when use_beta_sigmoid_in_kernel
+  at::Tensor gate_arg;  // g_raw + dt_bias when use_gate_in_kernel
 };
 
+// The L2-norm ops below autograd (the op layer's use_qk_l2norm_in_kernel, and l2norm_fwd's autograd Function).
+inline at::Tensor call_l2norm_fwd(const at::Tensor& x, double eps, c10::optional<at::ScalarType> out) {
+  static auto op = typed_op<at::Tensor(const at::Tensor&, double, c10::optional<at::ScalarType>)>(
+      "gated_delta::l2norm_fwd");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(x, eps, out);
+}
+inline at::Tensor call_l2norm_bwd(const at::Tensor& dy, const at::Tensor& x, double eps,
+                                  c10::optional<at::ScalarType> out) {
+  static auto op = typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, double, c10::optional<at::ScalarType>)>(
+      "gated_delta::l2norm_bwd");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(dy, x, eps, out);
+}
+
+// use_qk_l2norm_in_kernel: q and k through those ops (one kernel each way on CUDA; the backward recomputes the norms
+// from q and k)
 constexpr double kL2NormEps = 1e-6;
 
 inline Preprocessed preprocess(const DeltaRuleArgs& x) {
@@ -279,15 +294,9 @@ inline Preprocessed preprocess(const DeltaRuleArgs& x) {
   // dtype unless the sigmoid is applied here (CoreArgs::beta).
   const at::ScalarType xd = compute_dtype(x.q.scalar_type(), x.v.scalar_type());
   const at::ScalarType cd = acc_dtype(xd);
-  if (x.use_qk_l2norm_in_kernel) {
-    auto unit = [&](const at::Tensor& t, at::Tensor& rnorm, at::Tensor& tu) {
-      auto tf = t.to(cd);
-      rnorm = at::rsqrt(tf.mul(tf).sum(-1, /*keepdim=*/true).add_(kL2NormEps));
-      tu = tf * rnorm;
-      return tu.to(xd);
-    };
-    a.q = unit(x.q, p.q_rnorm, p.q_unit);
-    a.k = unit(x.k, p.k_rnorm, p.k_unit);
+  if (x.use_qk_l2norm_in_kernel) {  // (computed in cd, rounded to xd)
+    a.q = call_l2norm_fwd(x.q, kL2NormEps, xd);
+    a.k = call_l2norm_fwd(x.k, kL2NormEps, xd);
   } else {
     a.q = x.q.to(xd);
     a.k = x.k.to(xd);
@@ -394,13 +403,9 @@ BwdResult bwd_impl(const at::Tensor& d_o, const OptTensor& d_final_state, const 
 
   // Chain rule through the in-kernel pre-processing.
   at::Tensor dq = gr.dq, dk = gr.dk;
-  if (x.use_qk_l2norm_in_kernel) {
-    // y = x r, r = (|x|^2 + eps)^(-1/2):  dx = r (dy - y (y . dy))
-    auto back = [](const at::Tensor& dy, const at::Tensor& y, const at::Tensor& r) {
-      return (dy - y * (y * dy).sum(-1, /*keepdim=*/true)) * r;
-    };
-    dq = back(dq, p.q_unit, p.q_rnorm);
-    dk = back(dk, p.k_unit, p.k_rnorm);
+  if (x.use_qk_l2norm_in_kernel) {  // (from the core's unrounded dq, dk)
+    dq = call_l2norm_bwd(dq, x.q, kL2NormEps, x.q.scalar_type());
+    dk = call_l2norm_bwd(dk, x.k, kL2NormEps, x.k.scalar_type());
   }
   at::Tensor dbeta = gr.dbeta;
   if (x.use_beta_sigmoid_in_kernel) {

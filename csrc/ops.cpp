@@ -42,6 +42,13 @@ TORCH_LIBRARY(gated_delta, m) {
       "Tensor? residual=None) -> "
       "(Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor d_initial_state, Tensor dA_log, "
       "Tensor ddt_bias, Tensor dgk, Tensor dgv)");
+  // L2 normalisation over the last dim, what fwd and bwd apply to q and k with use_qk_l2norm_in_kernel (FLA's
+  // l2norm): y = x / sqrt(sum(x^2) + eps), computed in fp32 (fp64 where x or out_dtype is fp64) and returned in
+  // out_dtype (x's dtype when None). x [..., D] may be strided (CUDA reads it in place where its last dim is dense).
+  m.def("l2norm_fwd(Tensor x, float eps, ScalarType? out_dtype=None) -> Tensor y");
+  // Its backward, the norm recomputed from x: dx = r (dy - y (y . dy)) with r = (sum(x^2) + eps)^(-1/2), y = x r,
+  // in out_dtype (x's dtype when None).
+  m.def("l2norm_bwd(Tensor dy, Tensor x, float eps, ScalarType? out_dtype=None) -> Tensor dx");
   // --- layer ops (short convolution, gated RMSNorm, decode) are defined below this line ---
   // Causal depthwise short convolution over time, + SiLU when use_silu: x [B, T, D], weight [D, W], bias [D],
   // initial_state [N, D, W-1] (the last W-1 inputs before each sequence, oldest first), cu_seqlens [N + 1].

@@ -238,7 +238,31 @@ def _sanitize_strided():
         print("strided", K, V, "ok", all(torch.isfinite(x).all().item() for x in (o, ht) + tuple(grads[:6])))
 
 
+def _sanitize_l2norm():
+    """The L2-norm kernels (l2norm_fwd, l2norm_bwd) on their access patterns: four elements per access (K = 128, q
+    split from a fused projection's rows), one (K = 100, and rows one element off alignment), leading dims that do
+    not merge, fp32 and bf16 results; then a forward + backward with use_qk_l2norm_in_kernel, bf16, grouped heads."""
+    ops = torch.ops.gated_delta
+    for K in (128, 100):
+        fused = torch.randn(2, 65, 3 * 4 * K + 8, device="cuda").bfloat16()
+        for x in (fused[..., 4:4 + 4 * K].unflatten(-1, (4, K)), fused[..., 5:5 + 4 * K].unflatten(-1, (4, K)),
+                  fused[..., :4 * K].unflatten(-1, (4, K)).permute(1, 0, 2, 3)):
+            for out in (None, torch.float32):
+                y = ops.l2norm_fwd(x, 1e-6, out)
+                dx = ops.l2norm_bwd(torch.randn(x.shape, device="cuda"), x, 1e-6, out)
+                torch.cuda.synchronize()
+                ok = bool(torch.isfinite(y).all() and torch.isfinite(dx).all())
+                print("l2norm", K, tuple(x.stride()), out, "ok", ok)
+    inp = make_inputs(2, 130, 2, 4, 128, 128, torch.bfloat16, options=True)
+    d_o, d_ht = output_grads(inp, 2)
+    r = run_ours(inp, d_o, d_ht)
+    torch.cuda.synchronize()
+    print("l2norm in the op ok", all(torch.isfinite(x).all().item() for x in r.values()))
+
+
 if __name__ == "__main__":
+    if "l2norm" in sys.argv[1:]:
+        sys.exit(_sanitize_l2norm())
     if "vslices" in sys.argv[1:]:
         sys.exit(_sanitize_v_slices())
     if "strided" in sys.argv[1:]:

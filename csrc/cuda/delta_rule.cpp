@@ -135,15 +135,6 @@ struct Layout {
   at::Tensor cu_host;  // varlen: the host copy of cu_seqlens the layout was made from (int64)
 };
 
-// varlen: cu_seqlens on the host as int64, the caller's host copy where it gave one, else one device->host copy,
-// checked against the sequence length
-at::Tensor host_cu_seqlens(const CoreArgs& a) {
-  if (a.cu_seqlens_cpu.defined()) return a.cu_seqlens_cpu.to(at::kLong).contiguous();
-  at::Tensor cu = a.cu_seqlens.to(at::kCPU).to(at::kLong).contiguous();
-  check_cu_seqlens_values(cu, a.seqlen(), "cu_seqlens");
-  return cu;
-}
-
 // tiles_per_sm: 64-column state tiles of the state kernels that share an SM (one per CTA, or two per CTA of two
 // warpgroups). tables = false: the counts only (varlen: no device tables).
 Layout make_layout(const CoreArgs& a, int tiles_per_sm, bool tables = true) {
@@ -194,7 +185,7 @@ Layout make_layout(const CoreArgs& a, int tiles_per_sm, bool tables = true) {
     return L;
   }
 
-  const at::Tensor cu_host = host_cu_seqlens(a);
+  const at::Tensor cu_host = host_cu_seqlens(a.cu_seqlens, a.cu_seqlens_cpu, a.seqlen());
   L.cu_host = cu_host;
   const int64_t* cu = cu_host.data_ptr<int64_t>();
   L.N = static_cast<int>(cu_host.size(0) - 1);
@@ -705,7 +696,7 @@ std::vector<R> run_slices(int64_t n, Call&& slice_call, Tensors&& tensors) {
 // (varlen: one host copy of cu_seqlens for all slices)
 CoreArgs with_host_cu_seqlens(const CoreArgs& a) {
   CoreArgs r = a;
-  if (a.cu_seqlens.defined()) r.cu_seqlens_cpu = host_cu_seqlens(a);
+  if (a.cu_seqlens.defined()) r.cu_seqlens_cpu = host_cu_seqlens(a.cu_seqlens, a.cu_seqlens_cpu, a.seqlen());
   return r;
 }
 

@@ -277,6 +277,17 @@ def _fwd_with_residual_fake(*args, **kwargs):
     return o, final_state, q.new_empty((n,), dtype=torch.uint8)
 
 
+@torch.library.register_fake("gated_delta::l2norm_fwd")
+def _l2norm_fwd_fake(x, eps, out_dtype=None):
+    return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
+
+
+@torch.library.register_fake("gated_delta::l2norm_bwd")
+def _l2norm_bwd_fake(dy, x, eps, out_dtype=None):
+    _check_devices(x, dy=dy)
+    return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
+
+
 @torch.library.register_fake("gated_delta::bwd")
 def _bwd_fake(d_o, d_final_state, q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
               use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, use_gate_in_kernel, A_log,

@@ -659,7 +659,7 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
       const int i0 = 16 * warp + g8;
       const float bi[2] = {bet[i0], bet[i0 + 8]};
       const bool ok[2] = {i0 < ci.len, i0 + 8 < ci.len};
-      const int64_t HVV = p.tok_dv, off = (ci.bos + i0) * HVV + hv * p.ld_dv;  // (HVV: token stride)
+      const int64_t tok = p.tok_dv, off = (ci.bos + i0) * tok + hv * p.ld_dv;
 #pragma unroll 1
       for (int vb = 0; vb < NVB; ++vb) {
         float Y[8][4];
@@ -676,7 +676,7 @@ __global__ void __launch_bounds__(128) grad_wy_wg_kernel(const Params p) {
             Y[nt][2 * hr] = bi[hr] * y0;
             Y[nt][2 * hr + 1] = bi[hr] * y1;
           }
-        wy_store_grad<St>(p.dv, off + vb * 64, HVV, Y, ok, p.dv_f32, q);
+        wy_store_grad<St>(p.dv, off + vb * 64, tok, Y, ok, p.dv_f32, q);
       }
     }
     __syncthreads();

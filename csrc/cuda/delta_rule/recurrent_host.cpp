@@ -58,12 +58,7 @@ RecCall begin_recurrent(const CoreArgs& a) {
   p.nvt = static_cast<int>((V + cuda::kRecCols - 1) / cuda::kRecCols);
   c.max_len = a.seqlen();
   if (a.cu_seqlens.defined()) {
-    at::Tensor host = a.cu_seqlens_cpu;
-    if (!host.defined()) {
-      host = a.cu_seqlens.to(at::kCPU).to(at::kLong).contiguous();  // one device->host copy
-      check_cu_seqlens_values(host, a.seqlen(), "cu_seqlens");
-    }
-    host = host.to(at::kLong).contiguous();
+    const at::Tensor host = host_cu_seqlens(a.cu_seqlens, a.cu_seqlens_cpu, a.seqlen());
     const int64_t* cu = host.data_ptr<int64_t>();
     c.max_len = 0;
     for (int64_t n = 0; n < host.size(0) - 1; ++n) c.max_len = std::max(c.max_len, cu[n + 1] - cu[n]);
