@@ -33,9 +33,14 @@ struct L2NormParams {
   float eps = 0.f;
 };
 
+// (32-bit division: the host keeps R below 2^31; one or two strides, the common layouts, take fewer)
 __device__ __forceinline__ int64_t row_offset(const L2NormParams& p, int64_t r) {
-  const int64_t i2 = r % p.n2, r1 = r / p.n2;
-  return (r1 / p.n1) * p.s0 + (r1 % p.n1) * p.s1 + i2 * p.s2;
+  if (p.n2 == p.R) return r * p.s2;
+  const uint32_t u = static_cast<uint32_t>(r), n2 = static_cast<uint32_t>(p.n2);
+  const uint32_t i2 = u % n2, r1 = u / n2;
+  if (p.n1 * p.n2 == p.R) return static_cast<int64_t>(r1) * p.s1 + static_cast<int64_t>(i2) * p.s2;
+  const uint32_t n1 = static_cast<uint32_t>(p.n1);
+  return static_cast<int64_t>(r1 / n1) * p.s0 + static_cast<int64_t>(r1 % n1) * p.s1 + static_cast<int64_t>(i2) * p.s2;
 }
 
 // N consecutive elements, loaded and stored as one access (the address aligned to the pack's size)
@@ -165,6 +170,8 @@ Rows rows_of(const at::Tensor& x0) {
   }
   while (g.size() < 3) g.insert(g.begin(), {1, 0});
   w.R = g[0].first * g[1].first * g[2].first;
+  TORCH_CHECK(w.R < (int64_t{1} << 31), "x must have fewer than 2^31 rows (the product of its leading dims) on CUDA, "
+              "got ", w.R);
   w.n1 = g[1].first;
   w.n2 = g[2].first;
   w.s0 = g[0].second;
