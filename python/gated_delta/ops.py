@@ -284,7 +284,8 @@ def _l2norm_fwd_fake(x, eps, out_dtype=None):
 
 @torch.library.register_fake("gated_delta::l2norm_bwd")
 def _l2norm_bwd_fake(dy, x, eps, out_dtype=None):
-    _check_devices(x, dy=dy)
+    if dy.device != x.device:
+        raise RuntimeError(f"dy must be on the same device as x ({x.device}), got {dy.device}")
     return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
 
 
