@@ -100,6 +100,30 @@ def test_l2norm_cpu_autograd_and_opcheck():
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+def test_l2norm_python_function():
+    """gated_delta.l2norm: the op under its Python name, differentiable, eps checked; the same values the gated delta
+    rule's use_qk_l2norm_in_kernel gives its kernels (a call with the option equals one without it on q and k
+    normalised by gd.l2norm)."""
+    import gated_delta as gd
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 9, 3, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = gd.l2norm(x)
+    assert rel(y, ref_fwd(x)) <= 1e-14 and y.dtype == torch.float64
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    (g,) = torch.autograd.grad(y, x, dy)
+    assert bwd_err(g, dy, x.detach()) <= 1e-14
+    assert gd.l2norm(x.detach().float(), out_dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="eps must be a Python number, got str"):
+        gd.l2norm(x, eps="1e-6")
+    q, k = torch.randn(1, 9, 2, 8, generator=gen), torch.randn(1, 9, 2, 8, generator=gen)
+    v = torch.randn(1, 9, 4, 8, generator=gen)
+    g_, beta = -torch.rand(1, 9, 4, generator=gen), torch.rand(1, 9, 4, generator=gen)
+    o1, _ = gd.gated_delta_rule(q, k, v, g_, beta, use_qk_l2norm_in_kernel=True, algorithm="recurrent")
+    o2, _ = gd.gated_delta_rule(gd.l2norm(q), gd.l2norm(k), v, g_, beta, algorithm="recurrent")
+    assert torch.equal(o1, o2)
+
+
 def test_l2norm_errors():
     x = torch.randn(2, 3)
     with pytest.raises(RuntimeError, match=r"x must have shape \[\.\.\., D\] with D >= 1, got \[2, 0\]"):

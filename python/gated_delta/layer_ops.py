@@ -7,7 +7,7 @@ import torch
 from . import _C  # noqa: F401  (loads the library that registers torch.ops.gated_delta)
 from .ops import default_scale
 
-__all__ = ["short_conv", "short_conv_update", "gated_rmsnorm", "decode_step"]
+__all__ = ["short_conv", "short_conv_update", "gated_rmsnorm", "l2norm", "decode_step"]
 
 _ACTIVATIONS = (None, "silu", "swish")
 
@@ -80,6 +80,19 @@ def gated_rmsnorm(
         raise TypeError(f"eps must be a Python number, got {type(eps).__name__}")
     y, _ = torch.ops.gated_delta.gated_rmsnorm_fwd(x, gate, weight, float(eps))
     return y
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """L2 normalisation over the last dimension, computed in float32 (float64 for float64 x or out_dtype):
+
+        y = x / sqrt(sum(x ** 2, -1) + eps)
+
+    what gated_delta_rule applies to q and k with use_qk_l2norm_in_kernel (FLA's l2norm, same eps). Returns y in
+    out_dtype (x's dtype when None), contiguous. Differentiable (one kernel each way on CUDA, the norm recomputed
+    from x in the backward); x may be strided (CUDA reads it in place where its last dim is dense)."""
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"eps must be a Python number, got {type(eps).__name__}")
+    return torch.ops.gated_delta.l2norm_fwd(x, float(eps), out_dtype)
 
 
 def decode_step(
