@@ -18,6 +18,13 @@ def _use_silu(activation) -> bool:
     return activation is not None
 
 
+def _eps(eps) -> float:
+    """eps as the ops take it: a Python number (a tensor or a string is refused, not converted)."""
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"eps must be a Python number, got {type(eps).__name__}")
+    return float(eps)
+
+
 def short_conv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -76,9 +83,7 @@ def gated_rmsnorm(
 
     gate has x's shape and dtype (None: no gate); weight [D] has x's dtype or float32 (None: no scale).
     Returns y in x's dtype."""
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
-        raise TypeError(f"eps must be a Python number, got {type(eps).__name__}")
-    y, _ = torch.ops.gated_delta.gated_rmsnorm_fwd(x, gate, weight, float(eps))
+    y, _ = torch.ops.gated_delta.gated_rmsnorm_fwd(x, gate, weight, _eps(eps))
     return y
 
 
@@ -90,9 +95,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6, out_dtype: Optional[torch.dtype] 
     what gated_delta_rule applies to q and k with use_qk_l2norm_in_kernel (FLA's l2norm, same eps). Returns y in
     out_dtype (x's dtype when None), contiguous. Differentiable (one kernel each way on CUDA, the norm recomputed
     from x in the backward); x may be strided (CUDA reads it in place where its last dim is dense)."""
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
-        raise TypeError(f"eps must be a Python number, got {type(eps).__name__}")
-    return torch.ops.gated_delta.l2norm_fwd(x, float(eps), out_dtype)
+    return torch.ops.gated_delta.l2norm_fwd(x, _eps(eps), out_dtype)
 
 
 def decode_step(
