@@ -3,7 +3,8 @@
 // op, so eager PyTorch, torch.compile and LibTorch callers all differentiate through real ops. Each saves its
 // inputs, and the gated delta rule also the residual its backend's forward keeps for the backward
 // (fwd_with_residual: on CUDA the chunks' preparation; no per-token state is ever kept; none in a traced call or
-// with GATED_DELTA_BACKWARD_RESIDUAL=0). A call that records no graph (grad mode off, or no input requiring grad)
+// with GATED_DELTA_BACKWARD_RESIDUAL=0) and, with use_qk_l2norm_in_kernel, the normalised q and k (none with
+// GATED_DELTA_BACKWARD_RESIDUAL=0). A call that records no graph (grad mode off, or no input requiring grad)
 // and carries no forward-mode tangent goes straight to the op below autograd.
 // short_conv_update and decode_step mutate a cache and are inference-only (no autograd kernel); the backward ops
 // (bwd, short_conv_bwd, gated_rmsnorm_bwd, l2norm_bwd) are not differentiable themselves.
@@ -78,12 +79,14 @@ void load_field(AutogradContext* ctx, const variable_list&, size_t&, size_t i, T
   x = ctx->saved_data[std::to_string(i)].to<T>();
 }
 
-// (the residual of the forward last, after the fwd fields)
-void save_args(AutogradContext* ctx, const DeltaRuleArgs& args, const at::Tensor& residual) {
+// (after the fwd fields, what the forward kept for the backward: the residual and the normalised q and k, each
+// undefined where none was kept)
+void save_args(AutogradContext* ctx, const DeltaRuleArgs& args, const at::Tensor& residual, const at::Tensor& q_normed,
+               const at::Tensor& k_normed) {
   std::vector<at::Tensor> tensors;
   size_t i = 0;
   std::apply([&](const auto&... f) { (save_field(ctx, tensors, i++, f), ...); }, args.fwd_fields());
-  tensors.push_back(residual);
+  tensors.insert(tensors.end(), {residual, q_normed, k_normed});
   ctx->save_for_backward(tensors);
 }
 
@@ -93,6 +96,8 @@ DeltaRuleArgs load_args(AutogradContext* ctx) {
   size_t i = 0, next = 0;
   std::apply([&](auto&... f) { (load_field(ctx, tensors, next, i++, f), ...); }, args.fwd_fields());
   if (tensors[next].defined() && tensors[next].numel() > 0) args.residual = tensors[next];
+  args.q_normed = or_none(tensors[next + 1]);
+  args.k_normed = or_none(tensors[next + 2]);
   return args;
 }
 
@@ -136,13 +141,26 @@ class DeltaRuleFunction : public torch::autograd::Function<DeltaRuleFunction> {
     DeltaRuleArgs args;
     detail::assign_fields(args.fwd_fields(), a...);
     at::AutoDispatchBelowADInplaceOrView guard;
+    // With use_qk_l2norm_in_kernel the forward normalises q and k here and keeps them (as the residual, unless
+    // GATED_DELTA_BACKWARD_RESIDUAL=0), so that the backward does not normalise them again; the forward op then
+    // runs on them as given, which computes what it would compute from q and k with the option.
+    DeltaRuleArgs run = args;
+    at::Tensor q_normed, k_normed;
+    const bool keep = keep_residual();
+    if (args.use_qk_l2norm_in_kernel && keep) {
+      check_delta_rule_args(args);  // (its errors name q and k)
+      std::tie(q_normed, k_normed) = l2norm_qk(args);
+      run.q = q_normed;
+      run.k = k_normed;
+      run.use_qk_l2norm_in_kernel = false;
+    }
     // A traced call keeps no residual: its size depends on cu_seqlens' values and on the backend's path, an
     // unbacked size that fwd, whose outputs do not include it, could not bind. Its backward prepares the chunks
     // itself, as a call of bwd without a residual does.
     at::Tensor o, ht, residual;
-    if (traced(args.q) || !keep_residual()) std::tie(o, ht) = call_fwd(args);
-    else std::tie(o, ht, residual) = call_fwd_with_residual(args);
-    save_args(ctx, args, residual);
+    if (traced(args.q) || !keep) std::tie(o, ht) = call_fwd(run);
+    else std::tie(o, ht, residual) = call_fwd_with_residual(run);
+    save_args(ctx, args, residual, q_normed, k_normed);
     ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined (no zeros allocated)
     if (!args.output_final_state) ctx->mark_non_differentiable({ht});
     return {o, ht};

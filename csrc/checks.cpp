@@ -223,6 +223,23 @@ at::Tensor check_delta_rule_grads(const DeltaRuleArgs& a, const Sizes& s, const 
                 r.scalar_type(), " of shape ", shape_str(r));
     check_device_as(a.q, "q", r, "residual");
   }
+  TORCH_CHECK(a.q_normed.has_value() == a.k_normed.has_value(),
+              "q_normed and k_normed must be given together (l2norm of q and k as the forward formed them), got ",
+              a.q_normed.has_value() ? "q_normed only" : "k_normed only");
+  if (a.q_normed.has_value()) {
+    TORCH_CHECK(a.use_qk_l2norm_in_kernel,
+                "q_normed and k_normed are the forward's L2-normalised q and k: given only with "
+                "use_qk_l2norm_in_kernel=True, got them with use_qk_l2norm_in_kernel=False");
+    const at::ScalarType xd = compute_dtype(a.q.scalar_type(), a.v.scalar_type());
+    auto check_normed = [&](const at::Tensor& t, const char* name, const at::Tensor& of, const char* of_name) {
+      TORCH_CHECK(t.sizes() == of.sizes() && t.scalar_type() == xd, name, " must have the shape of ", of_name, " ",
+                  shape_str(of), " and the compute dtype ", xd, ", got ", t.scalar_type(), " of shape ",
+                  shape_str(t));
+      check_device_as(a.q, "q", t, name);
+    };
+    check_normed(*a.q_normed, "q_normed", a.q, "q");
+    check_normed(*a.k_normed, "k_normed", a.k, "k");
+  }
   if (!d_final_state.has_value() || d_final_state->numel() == 0) return at::Tensor();
   const at::Tensor& dht = *d_final_state;
   const QKVSizes qs{s.B, s.T, s.H, s.K, s.HV, s.V};

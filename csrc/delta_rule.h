@@ -49,6 +49,9 @@ struct DeltaRuleArgs {
   // bwd only: what fwd_with_residual returned with the outputs for these inputs (opaque bytes of the backend), or
   // absent: the backward then recomputes it.
   OptTensor residual;
+  // bwd only, with use_qk_l2norm_in_kernel: q and k normalised as the forward normalised them (l2norm_qk below;
+  // the autograd Function keeps them from its forward), or absent: the backward normalises q and k again.
+  OptTensor q_normed, k_normed;
 
   // The fields in the order of the fwd schema, and in the order of the bwd schema after its leading (d_o,
   // d_final_state): the two lists a new field joins. (One template each serves const and non-const access; they
@@ -65,7 +68,7 @@ struct DeltaRuleArgs {
     return std::tie(a.q, a.k, a.v, a.g, a.beta, a.scale, a.initial_state, a.cu_seqlens, a.cu_seqlens_cpu,
                     a.use_qk_l2norm_in_kernel, a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval,
                     a.use_gate_in_kernel, a.A_log, a.dt_bias, a.algorithm, a.chunk_size, a.gk, a.gv,
-                    a.state_v_first, a.residual);
+                    a.state_v_first, a.residual, a.q_normed, a.k_normed);
   }
   auto fwd_fields() { return fwd_fields_of(*this); }
   auto fwd_fields() const { return fwd_fields_of(*this); }
@@ -281,9 +284,14 @@ inline at::Tensor call_l2norm_bwd(const at::Tensor& dy, const at::Tensor& x, dou
   return op.call(dy, x, eps, out);
 }
 
-// use_qk_l2norm_in_kernel: q and k through those ops (one kernel each way on CUDA; the backward recomputes the norms
-// from q and k)
+// use_qk_l2norm_in_kernel: q and k through those ops (one kernel each way on CUDA), computed in the accumulation
+// dtype and rounded to the compute dtype; the backward's chain rule recomputes the norms from q and k.
 constexpr double kL2NormEps = 1e-6;
+
+inline std::pair<at::Tensor, at::Tensor> l2norm_qk(const DeltaRuleArgs& x) {
+  const at::ScalarType xd = compute_dtype(x.q.scalar_type(), x.v.scalar_type());
+  return {call_l2norm_fwd(x.q, kL2NormEps, xd), call_l2norm_fwd(x.k, kL2NormEps, xd)};
+}
 
 inline Preprocessed preprocess(const DeltaRuleArgs& x) {
   Preprocessed p;
@@ -294,9 +302,11 @@ inline Preprocessed preprocess(const DeltaRuleArgs& x) {
   // dtype unless the sigmoid is applied here (CoreArgs::beta).
   const at::ScalarType xd = compute_dtype(x.q.scalar_type(), x.v.scalar_type());
   const at::ScalarType cd = acc_dtype(xd);
-  if (x.use_qk_l2norm_in_kernel) {  // (computed in cd, rounded to xd)
-    a.q = call_l2norm_fwd(x.q, kL2NormEps, xd);
-    a.k = call_l2norm_fwd(x.k, kL2NormEps, xd);
+  if (x.q_normed.has_value()) {  // (checked against q and k by check_delta_rule_grads)
+    a.q = *x.q_normed;
+    a.k = *x.k_normed;
+  } else if (x.use_qk_l2norm_in_kernel) {
+    std::tie(a.q, a.k) = l2norm_qk(x);
   } else {
     a.q = x.q.to(xd);
     a.k = x.k.to(xd);

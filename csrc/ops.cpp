@@ -33,13 +33,15 @@ TORCH_LIBRARY(gated_delta, m) {
   // Arguments after chunk_size have defaults, so that calls written before them keep working.
   // Backward: gradients of every differentiable input. Gradients of absent inputs (initial_state, A_log,
   // dt_bias, gk, gv) are empty tensors. When use_gate_in_kernel, dg is the gradient of g_raw. residual: what
-  // fwd_with_residual returned for these inputs, or absent (or empty): then recomputed.
+  // fwd_with_residual returned for these inputs, or absent (or empty): then recomputed. q_normed, k_normed (with
+  // use_qk_l2norm_in_kernel, both or neither): l2norm_fwd of q and k in the compute dtype (q's and v's promoted),
+  // as the forward formed them, or absent: then recomputed.
   m.def(
       "bwd(Tensor d_o, Tensor? d_final_state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, "
       "Tensor? initial_state, Tensor? cu_seqlens, Tensor? cu_seqlens_cpu, bool use_qk_l2norm_in_kernel, "
       "bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, bool use_gate_in_kernel, Tensor? A_log, "
       "Tensor? dt_bias, str algorithm, int chunk_size, Tensor? gk=None, Tensor? gv=None, bool state_v_first=False, "
-      "Tensor? residual=None) -> "
+      "Tensor? residual=None, Tensor? q_normed=None, Tensor? k_normed=None) -> "
       "(Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor d_initial_state, Tensor dA_log, "
       "Tensor ddt_bias, Tensor dgk, Tensor dgv)");
   // L2 normalisation over the last dim, what fwd and bwd apply to q and k with use_qk_l2norm_in_kernel (FLA's

@@ -251,6 +251,83 @@ def test_backward_residual_switch(monkeypatch, env):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("env", [None, "0"])
+def test_backward_reuses_forward_normalised_qk(monkeypatch, env):
+    """With use_qk_l2norm_in_kernel a forward that records a graph normalises q and k once and keeps them for the
+    backward (bwd's q_normed, k_normed), which then normalises nothing; with GATED_DELTA_BACKWARD_RESIDUAL=0 it
+    keeps neither and the backward normalises again. Outputs and gradients are bitwise those of the ops without
+    them."""
+    if env is None:
+        monkeypatch.delenv("GATED_DELTA_BACKWARD_RESIDUAL", raising=False)
+    else:
+        monkeypatch.setenv("GATED_DELTA_BACKWARD_RESIDUAL", env)
+    xs = make_inputs(T=9, requires_grad=True)
+    kw = dict(scale=0.3, algorithm="chunk", chunk_size=4, use_qk_l2norm_in_kernel=True)
+
+    def l2norm_calls(prof):
+        return sum(e.name == "gated_delta::l2norm_fwd" for e in prof.events())
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        o, _ = gated_delta_rule(*xs, **kw)
+    assert l2norm_calls(prof) == 2
+    d_o = torch.randn_like(o)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        grads = torch.autograd.grad(o, xs, d_o)
+    assert l2norm_calls(prof) == (2 if env == "0" else 0)
+    with torch.no_grad():
+        o2 = gated_delta_rule(*xs, **kw)[0]
+        ref = torch.ops.gated_delta.bwd(d_o, None, *xs, 0.3, None, None, None, True, False, False, False, None,
+                                        None, "chunk", 4)
+    assert torch.equal(o.detach(), o2)
+    for a, b in zip(grads, ref):
+        assert torch.equal(a, b)
+
+
+def _normed_bwd_args(q, k, v, g, beta):
+    d_o = torch.randn_like(v)
+    return (d_o, None, q, k, v, g, beta, 0.3, None, None, None, True, False, False, False, None, None, "chunk", 4)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float64, torch.float64), (torch.float32, torch.bfloat16)])
+def test_bwd_q_normed_k_normed(dtypes):
+    """bwd given l2norm_fwd's q and k (in the compute dtype, q's and v's promoted) returns bitwise what it returns
+    normalising them itself; opcheck covers the arguments."""
+    qk_dtype, v_dtype = dtypes
+    q, k, v, g, beta = make_inputs(T=11)
+    q, k, v = q.to(qk_dtype), k.to(qk_dtype), v.to(v_dtype)
+    args = _normed_bwd_args(q, k, v, g, beta)
+    xd = torch.promote_types(qk_dtype, v_dtype)
+    qn = torch.ops.gated_delta.l2norm_fwd(q, 1e-6, xd)
+    kn = torch.ops.gated_delta.l2norm_fwd(k, 1e-6, xd)
+    g1 = torch.ops.gated_delta.bwd(*args, q_normed=qn, k_normed=kn)
+    g2 = torch.ops.gated_delta.bwd(*args)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    torch.library.opcheck(torch.ops.gated_delta.bwd.default, args, {"q_normed": qn, "k_normed": kn})
+
+
+def test_bwd_q_normed_k_normed_errors():
+    q, k, v, g, beta = make_inputs(T=11)
+    args = _normed_bwd_args(q, k, v, g, beta)
+    qn = torch.ops.gated_delta.l2norm_fwd(q, 1e-6)
+    kn = torch.ops.gated_delta.l2norm_fwd(k, 1e-6)
+    bwd = torch.ops.gated_delta.bwd
+    with pytest.raises(RuntimeError, match="q_normed and k_normed must be given together .*got q_normed only"):
+        bwd(*args, q_normed=qn)
+    with pytest.raises(RuntimeError, match="got k_normed only"):
+        bwd(*args, k_normed=kn)
+    no_option = args[:11] + (False,) + args[12:]
+    with pytest.raises(RuntimeError, match="given only with use_qk_l2norm_in_kernel=True"):
+        bwd(*no_option, q_normed=qn, k_normed=kn)
+    with pytest.raises(RuntimeError, match=r"q_normed must have the shape of q \[1, 11, 2, 8\] and the compute "
+                                           r"dtype Double, got Float of shape \[1, 11, 2, 8\]"):
+        bwd(*args, q_normed=qn.float(), k_normed=kn)
+    with pytest.raises(RuntimeError, match=r"k_normed must have the shape of k .*got Double of shape \[1, 10, 2, 8\]"):
+        bwd(*args, q_normed=qn, k_normed=kn[:, :10])
+    with pytest.raises(RuntimeError, match="k_normed must be on the same device as q"):
+        bwd(*args, q_normed=qn, k_normed=kn.to("meta"))
+
+
 def test_opcheck_fwd_varlen():
     q, k, v, g, beta = make_inputs(T=11)
     cu = torch.tensor([0, 3, 3, 11])

@@ -292,9 +292,11 @@ def _l2norm_bwd_fake(dy, x, eps, out_dtype=None):
 @torch.library.register_fake("gated_delta::bwd")
 def _bwd_fake(d_o, d_final_state, q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
               use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, use_gate_in_kernel, A_log,
-              dt_bias, algorithm, chunk_size, gk=None, gv=None, state_v_first=False, residual=None):
+              dt_bias, algorithm, chunk_size, gk=None, gv=None, state_v_first=False, residual=None, q_normed=None,
+              k_normed=None):
     _check_devices(q, d_o=d_o, d_final_state=d_final_state, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
-                   cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv, residual=residual)
+                   cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv, residual=residual,
+                   q_normed=q_normed, k_normed=k_normed)
     empty = lambda: q.new_empty((0,), dtype=_state_dtype(q))  # noqa: E731
     return (
         q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
