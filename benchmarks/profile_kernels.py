@@ -1,5 +1,5 @@
 """One forward+backward of gated_delta_rule per row, for Nsight Compute (bf16, K = V = 128 unless --head-dims K:V says
-otherwise, inputs as bench_gpu.py).
+otherwise, inputs as bench_gpu.py; --l2norm as there).
 
     ncu --clock-control none --set full -k regex:'prep|state|grad|combine' -o REPORT \
         python3 benchmarks/profile_kernels.py --rows 1x32768:2:8 [--calls 2] [--fwd-only]
@@ -29,11 +29,11 @@ from gated_delta import gated_delta_rule  # noqa: E402
 def call(xs, do, fwd_only):
     if fwd_only:
         with torch.no_grad():
-            gated_delta_rule(*xs, scale=bench_gpu.K ** -0.5)
+            gated_delta_rule(*xs, scale=bench_gpu.K ** -0.5, use_qk_l2norm_in_kernel=bench_gpu.L2NORM)
         return
     for x in xs:
         x.grad = None
-    o = gated_delta_rule(*xs, scale=bench_gpu.K ** -0.5)[0]
+    o = gated_delta_rule(*xs, scale=bench_gpu.K ** -0.5, use_qk_l2norm_in_kernel=bench_gpu.L2NORM)[0]
     o.backward(do)
 
 
@@ -125,8 +125,10 @@ def main():
     ap.add_argument("--trace", default=None, help="with --host: write the profile as a Chrome trace to this file")
     ap.add_argument("--timeline", action="store_true", help="one call's kernels in start order, and its busy time")
     ap.add_argument("--head-dims", default="128:128", metavar="K:V", help="head dims of q/k and of v")
+    ap.add_argument("--l2norm", action="store_true", help="q and k unnormalised, use_qk_l2norm_in_kernel=True")
     a = ap.parse_args()
     bench_gpu.K, bench_gpu.V = (int(x) for x in a.head_dims.split(":"))
+    bench_gpu.L2NORM = a.l2norm
     for row in parse_rows(a.rows):
         xs, do = make(*row, seed=0, requires_grad=not a.fwd_only)
         if a.table:

@@ -209,14 +209,18 @@ struct CoreArgs {
   double scale = 1.0;
   int64_t chunk_size = 64;
   Algorithm algorithm = Algorithm::Auto;  // the backend resolves Auto
-  // Backward: a backend may return dq, dk, dv in the dtype of q/k/v instead of the state dtype (saves a cast
-  // and half of their memory traffic). The op layer clears it when a chain rule still has to be applied to dq/dk.
+  // Backward: a backend may return dq and dk in the dtype of q/k instead of the state dtype (saves a cast and half
+  // of their memory traffic). The op layer clears it when a chain rule still has to be applied to them. (dv, which
+  // no chain rule follows, a backend may always return in v's dtype.)
   bool grads_in_input_dtype = false;
   // Backward: a backend may return dbeta in beta's dtype instead of the state dtype; cleared by the op layer when
   // the sigmoid's chain rule still has to be applied to it.
   bool dbeta_in_beta_dtype = false;
   // Backward: the residual a backend's forward kept for it (CoreForward::residual), or undefined.
   at::Tensor residual;
+  // Backward with use_qk_l2norm_in_kernel: the caller's k (q and k above are normalised), with which a backend may
+  // apply the L2 norm's chain rule to dk itself (CoreGrads::dk_l2norm); undefined otherwise.
+  at::Tensor l2norm_k;
 
   int64_t batch() const { return q.size(0); }
   int64_t seqlen() const { return q.size(1); }
@@ -247,10 +251,12 @@ struct CoreGrads {
   // [B, T, H, K], grouped heads already summed; state dtype (fp32 / fp64), or the dtype of q when
   // args.grads_in_input_dtype is set and the backend supports it
   at::Tensor dq, dk;
-  at::Tensor dv;           // [B, T, HV, V], state dtype, or the dtype of v as dq
+  at::Tensor dv;           // [B, T, HV, V], state dtype or the dtype of v
   at::Tensor dg, dbeta;    // [B, T, HV], state dtype (dbeta: or beta's dtype, with args.dbeta_in_beta_dtype)
   at::Tensor d_initial_state;  // [N, HV, K, V] state dtype; undefined when args.initial_state is undefined
   at::Tensor dgk, dgv;     // [B, T, HV, K] / [B, T, HV, V] state dtype; undefined when args.gk / args.gv are
+  // dk is the gradient of args.l2norm_k (the chain rule of the L2 norm applied), in the dtype of q or the state
+  bool dk_l2norm = false;
 };
 
 
@@ -341,6 +347,7 @@ inline Preprocessed preprocess(const DeltaRuleArgs& x) {
   a.scale = x.scale;
   a.chunk_size = x.chunk_size;
   a.grads_in_input_dtype = !x.use_qk_l2norm_in_kernel;  // the L2-norm chain rule wants dq, dk unrounded
+  if (x.use_qk_l2norm_in_kernel) a.l2norm_k = x.k;      // (the backward's: its core may apply dk's chain rule)
   a.dbeta_in_beta_dtype = !x.use_beta_sigmoid_in_kernel;   // and the sigmoid's dbeta unrounded
   return p;
 }
@@ -415,7 +422,7 @@ BwdResult bwd_impl(const at::Tensor& d_o, const OptTensor& d_final_state, const 
   at::Tensor dq = gr.dq, dk = gr.dk;
   if (x.use_qk_l2norm_in_kernel) {  // (from the core's unrounded dq, dk)
     dq = call_l2norm_bwd(dq, x.q, kL2NormEps, x.q.scalar_type());
-    dk = call_l2norm_bwd(dk, x.k, kL2NormEps, x.k.scalar_type());
+    if (!gr.dk_l2norm) dk = call_l2norm_bwd(dk, x.k, kL2NormEps, x.k.scalar_type());
   }
   at::Tensor dbeta = gr.dbeta;
   if (x.use_beta_sigmoid_in_kernel) {

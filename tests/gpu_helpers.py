@@ -88,15 +88,15 @@ def _leaves(inputs, grads, convert):
 def reference(inputs, d_o=None, d_ht=None, grads=True):
     """float64 reference (the token loop) of o, the final state and, given d_o / d_ht, every gradient.
 
-    With use_qk_l2norm_in_kernel and 16-bit inputs the op layer (csrc/delta_rule.h) hands the kernels the normalised
-    q, k rounded back to the input dtype; the reference rounds them the same way (straight through for the
-    gradient, as the op layer's chain rule does), so that the comparison measures the kernels.
+    With use_qk_l2norm_in_kernel and a 16-bit compute dtype (q's and v's promoted) the op layer (csrc/delta_rule.h)
+    hands the kernels the normalised q, k rounded to it; the reference rounds them the same way (straight through
+    for the gradient, as the op layer's chain rule does), so that the comparison measures the kernels.
     """
     from gated_delta.reference import gated_delta_rule_ref
 
     names, x64 = _leaves(inputs, grads, torch.Tensor.double)
     call = dict(x64)
-    dt = inputs["q"].dtype
+    dt = torch.promote_types(inputs["q"].dtype, inputs["v"].dtype)
     if call.get("use_qk_l2norm_in_kernel") and dt in (torch.bfloat16, torch.float16):
         for n in ("q", "k"):
             x = call[n]
@@ -241,7 +241,9 @@ def _sanitize_strided():
 def _sanitize_l2norm():
     """The L2-norm kernels (l2norm_fwd, l2norm_bwd) on their access patterns: four elements per access (K = 128, q
     split from a fused projection's rows), one (K = 100, and rows one element off alignment), leading dims that do
-    not merge, fp32 and bf16 results; then a forward + backward with use_qk_l2norm_in_kernel, bf16, grouped heads."""
+    not merge, fp32 and bf16 results; then forwards + backwards with use_qk_l2norm_in_kernel (grad_wy reads the
+    caller's k for dk's chain rule): bf16 with grouped heads, a varlen batch of odd lengths with K = 64, and k read in
+    place from a fused projection's rows."""
     ops = torch.ops.gated_delta
     for K in (128, 100):
         fused = torch.randn(2, 65, 3 * 4 * K + 8, device="cuda").bfloat16()
@@ -253,11 +255,23 @@ def _sanitize_l2norm():
                 torch.cuda.synchronize()
                 ok = bool(torch.isfinite(y).all() and torch.isfinite(dx).all())
                 print("l2norm", K, tuple(x.stride()), out, "ok", ok)
+    for B, T, K, cu in ((2, 130, 128, None), (1, 300, 64, [0, 1, 63, 65, 300])):
+        inp = make_inputs(B, T, 2, 4, K, 128, torch.bfloat16, options=True, cu_seqlens=cu)
+        d_o, d_ht = output_grads(inp, B if cu is None else len(cu) - 1)
+        r = run_ours(inp, d_o, d_ht)
+        torch.cuda.synchronize()
+        print("l2norm in the op", K, cu, "ok", all(torch.isfinite(x).all().item() for x in r.values()))
     inp = make_inputs(2, 130, 2, 4, 128, 128, torch.bfloat16, options=True)
-    d_o, d_ht = output_grads(inp, 2)
-    r = run_ours(inp, d_o, d_ht)
+    rows = torch.randn(2, 130, 3 * 2 * 128, device="cuda").bfloat16()
+    rows[..., 256:512] = inp["k"].flatten(2)
+    k, q = rows[..., 256:512].unflatten(-1, (2, 128)), inp["q"]
+    o, _ = ops.fwd(q, k, inp["v"], inp["g"], inp["beta"], 0.1, None, False, None, None, True, True, True, True,
+                   inp["A_log"], inp["dt_bias"], "chunk", 64)
+    dq, dk = ops.bwd(torch.randn_like(o), None, q, k, inp["v"], inp["g"], inp["beta"], 0.1, None, None, None, True,
+                     True, True, True, inp["A_log"], inp["dt_bias"], "chunk", 64)[:2]
     torch.cuda.synchronize()
-    print("l2norm in the op ok", all(torch.isfinite(x).all().item() for x in r.values()))
+    ok = bool(torch.isfinite(dk).all() and torch.isfinite(dq).all())
+    print("l2norm in the op, k in place", tuple(k.stride()), "ok", ok)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,10 @@ CASES = {
     "V512_K256": (1, 130, 1, 2, 256, 512, True, None, False),
     "V384_fused": (2, 130, 8, 32, 128, 384, True, None, False),
     "V300_K100_varlen": (1, 200, 2, 4, 100, 300, True, [0, 1, 65, 200], True),
+    # use_qk_l2norm_in_kernel: grad_wy applies the L2 norm's chain rule to dk for K <= 128 (varlen with odd lengths
+    # here), the op layer for K = 256
+    "options_varlen_K64": (1, 1000, 2, 4, 64, 128, True, [0, 1, 63, 65, 1000], True),
+    "options_K256": (2, 200, 2, 4, 256, 64, True, None, True),
 }
 
 _REF_CACHE = {}
@@ -278,3 +282,50 @@ def test_strided_inputs():
     st["v"] = torch.cat([inp["v"], inp["v"]], dim=-1)[..., :V]
     out = run_ours(st, grads=False)
     assert torch.equal(out["o"], ref["o"])
+
+
+def _qk_layout(x, where):
+    """x [B, T, H, K] through differentiable ops into the layout a model passes: "proj" a slice of a fused q | k | v
+    projection's rows (tokens 3 H K apart), "heads" the heads-first layout [B, H, T, K] transposed (the op reads a
+    dense copy), "dense" x itself."""
+    B, T, H, K = x.shape
+    if where == "proj":
+        pad = torch.zeros(B, T, H * K, device=x.device, dtype=x.dtype)
+        return torch.cat([pad, x.reshape(B, T, H * K), pad], -1)[..., H * K:2 * H * K].view(B, T, H, K)
+    if where == "heads":
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    return x
+
+
+@pytest.mark.parametrize("K", [64, 128, 256])
+@pytest.mark.parametrize("layout", ["dense", "proj", "heads"])
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                    (torch.float32, torch.bfloat16), (torch.float32, torch.float32)],
+                         ids=["bf16", "qk_bf16_v_fp32", "qk_fp32_v_bf16", "fp32"])
+def test_l2norm_option_gradients(K, layout, dtypes):
+    """use_qk_l2norm_in_kernel: every gradient against float64, for q and k in the layouts a model passes (k read in
+    place by grad_wy's chain rule, K <= 128), q / k and v of different dtypes (the kernels compute in the promoted
+    one; the caller's k is read in its own) and K = 256 (the op layer's chain rule)."""
+    from gated_delta import gated_delta_rule
+    from gpu_helpers import _leaves
+
+    qk_dtype, v_dtype = dtypes
+    inp = make_inputs(2, 130, 2, 4, K, 64, v_dtype, options=True, seed=K)
+    inp["q"], inp["k"] = inp["q"].to(qk_dtype), inp["k"].to(qk_dtype)
+    d_o, d_ht = output_grads(inp, 2, seed=7)
+    ref = reference(inp, d_o, d_ht)
+    names, xs = _leaves(inp, True, torch.Tensor.clone)
+    call = dict(xs, q=_qk_layout(xs["q"], layout), k=_qk_layout(xs["k"], layout))
+    if layout != "dense":
+        assert not call["k"].is_contiguous()
+    o, ht = gated_delta_rule(**call, output_final_state=True)
+    grads = torch.autograd.grad((o.float() * d_o.float()).sum() + (ht * d_ht).sum(), [xs[n] for n in names])
+    ours = dict(o=o.detach(), ht=ht.detach(), **{"d" + n: g for n, g in zip(names, grads)})
+    errs = {key: rel_err(ours[key], r) for key, r in ref.items()}
+    print(f"\nK={K} {layout} {dtypes}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    assert ours["dk"].dtype == qk_dtype and ours["dq"].dtype == qk_dtype and ours["dv"].dtype == v_dtype
+    compute = torch.promote_types(qk_dtype, v_dtype)
+    for key, e in errs.items():
+        # the compute dtype's tolerance, or a 16-bit result's (rounded once at the end)
+        tol_o, tol_g = TOL[ours[key].dtype if ours[key].element_size() == 2 else compute]
+        assert e <= (tol_o if key in ("o", "ht") else tol_g), f"{key}: relative error {e:.3e} ({errs})"

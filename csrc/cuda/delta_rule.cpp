@@ -409,7 +409,7 @@ struct Regions {
 // chunk, and the chunk-parallel kernels' partial sums. Regions with disjoint lifetimes share bytes: U (first state
 // pass) with dVn^T (written by the reverse pass), and the scan's scratch (state passes) with dgam1 and dk1
 // (chunk-parallel kernels). dW has no region: it lives in dhT's tiles (params.h). dk1 has a region of its own only
-// when dk itself is not fp32 (grad_f32).
+// when dk itself is not fp32 (grad_f32 without dk_l2norm).
 // The backward's hT and Vn^T go to states instead, a workspace of their own: grad_qk reads them last, so the
 // backward releases it before it allocates the gradients that grad_wy writes, which can then take its bytes.
 // in_residual: A, gam and (backward) Tm live in the residual instead (residual_regions), and the backward's state
@@ -606,6 +606,7 @@ CoreArgs padded_args(const CoreArgs& a) {
   p.k = pad_last(a.k, Kp);
   p.v = pad_last(a.v, Vp);
   p.initial_state = resize_state(a.initial_state, a.state_v_first, Kp, Vp);
+  p.l2norm_k = at::Tensor();  // (dk's chain rule after the cut, in the op layer)
   return p;
 }
 
@@ -660,6 +661,7 @@ CoreArgs v_slice_args(const CoreArgs& a, const VSlices& s, int64_t i) {
   r.v = slice_cols(a.v, 3, s, i);
   r.gv = slice_cols(a.gv, 3, s, i);
   r.initial_state = slice_cols(a.initial_state, state_v_dim(a), s, i);
+  r.l2norm_k = at::Tensor();  // (dk's chain rule after the slices' sum, in the op layer)
   return r;
 }
 
@@ -732,7 +734,7 @@ CoreGrads backward_v_slices(const CoreArgs& a0, const at::Tensor& d_o, const at:
   const at::ScalarType f32 = at::kFloat;
   // each slice reads its columns of v and d_o and writes its columns of dv in place (row_strides), in the dtype dv is
   // returned in, except where it is padded or runs the token loop: then its dv (fp32) is copied in (as o, above)
-  at::Tensor dv = at::empty(a.v.sizes(), a.v.options().dtype(a.grads_in_input_dtype ? a.v.scalar_type() : f32));
+  at::Tensor dv = at::empty(a.v.sizes(), a.v.options());
   std::vector<CoreGrads> g = run_slices<CoreGrads>(
       s.n,
       [&](int64_t i) {
@@ -874,8 +876,21 @@ CoreGrads backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tens
   p.d_o = dO.t.data_ptr();
   p.ld_do = dO.s.ld;
   p.tok_do = dO.s.tok;
-  // dq, dk, dv in the input dtype when the op layer allows it; dk's partial sums stay fp32 in dk1
+  // dq, dk, dv in the input dtype when the op layer allows it; dk's partial sums stay fp32 in dk1. With
+  // use_qk_l2norm_in_kernel and K <= 128 grad_wy, which holds a CTA's rows of dk in registers, applies the L2
+  // norm's chain rule to them and stores dk in the input dtype.
   p.grad_f32 = (a.grads_in_input_dtype && a.q.scalar_type() != at::kFloat) ? 0 : 1;
+  Rows k_raw;
+  if (a.l2norm_k.defined() && p.K <= 128) {
+    k_raw = rows_of(a.l2norm_k);
+    p.dk_l2norm = 1;
+    p.k_raw = k_raw.t.data_ptr();
+    p.k_raw_dtype = cuda::dtype_of(k_raw.t.scalar_type(), "k");
+    p.ld_kr = k_raw.s.ld;
+    p.tok_kr = k_raw.s.tok;
+    p.l2norm_eps = static_cast<float>(kL2NormEps);
+  }
+  const bool dk_f32 = p.grad_f32 && !p.dk_l2norm;
   const bool from_residual = a.residual.defined();
   ResidualRegions rr;
   if (from_residual) {
@@ -887,7 +902,7 @@ CoreGrads backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tens
                 "expected ", rr.bytes, " bytes, got ", a.residual.numel());
   }
   Workspace ws, states;
-  const Regions r = plan_workspace(ws, &states, c, /*backward=*/true, /*dk1_own=*/!p.grad_f32, from_residual);
+  const Regions r = plan_workspace(ws, &states, c, /*backward=*/true, /*dk1_own=*/!dk_f32, from_residual);
   ws.allocate(c.opts);
   states.allocate(c.opts);
   bind(p, ws, r);
@@ -919,16 +934,16 @@ CoreGrads backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tens
   // reads hT and Vn^T for the last time; the gradients only grad_wy writes are allocated after states' release
   p.dgam1 = ws.ptr<float>(r.dgam1);
   CoreGrads gr;
-  const auto gopts = p.grad_f32 ? c.fopts : c.opts;
-  gr.dq = at::empty(c.in.q.sizes(), gopts);
-  if (p.grad_f32) gr.dk = at::empty(c.in.k.sizes(), gopts);
+  gr.dq = at::empty(c.in.q.sizes(), p.grad_f32 ? c.fopts : c.opts);
+  if (dk_f32) gr.dk = at::empty(c.in.k.sizes(), c.fopts);
   p.dq = gr.dq.data_ptr();
-  p.dk1 = p.grad_f32 ? gr.dk.data_ptr<float>() : ws.ptr<float>(r.dk1);
+  p.dk1 = dk_f32 ? gr.dk.data_ptr<float>() : ws.ptr<float>(r.dk1);
   cuda::launch_grad_qk(p, c.dt, c.stream);
   states.release();
   p.hT = p.VnT = nullptr;
-  if (!p.grad_f32) gr.dk = at::empty(c.in.k.sizes(), gopts);
-  gr.dv = dv_into.defined() ? dv_into : at::empty(c.in.v.sizes(), gopts);
+  if (!dk_f32) gr.dk = at::empty(c.in.k.sizes(), c.opts);
+  gr.dk_l2norm = p.dk_l2norm != 0;
+  gr.dv = dv_into.defined() ? dv_into : at::empty(c.in.v.sizes(), c.opts);  // (no chain rule follows dv)
   if (dv_into.defined()) {
     const RowStrides s = output_strides(dv_into, c.in.v.sizes(), {c.in.v.scalar_type(), at::kFloat}, "dv");
     p.ld_dv = s.ld;

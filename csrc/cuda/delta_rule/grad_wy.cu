@@ -193,16 +193,74 @@ __device__ __forceinline__ void wy_store_grad(void* g, int64_t off, int64_t ld, 
   }
 }
 
+// The L2 norm's chain rule (Params::dk_l2norm) on this thread's fragments of dk, in place: dk_n (the gradient of the
+// normalised keys) becomes r (dk_n - x r^2 (x . dk_n)), x the caller's key row (Raw elements), r = (sum(x^2) +
+// eps)^(-1/2), as l2norm_bwd computes it; each row's two sums over its quad. Every load of x (adjacent pairs, one
+// row's 16-byte aligned head: Params::ld_kr) is issued before the first sum, so the rows' reads wait once.
+template <class Raw, int K>
+__device__ __forceinline__ void wy_dk_l2norm_as(float (&dka)[K / 64][8][4], const Params& p, const ChunkInfo& ci,
+                                                int h, int warp, int g8, int q) {
+  constexpr int NKB = K / 64;
+  float2 x[2][NKB][8];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int i = 16 * warp + g8 + 8 * hr;
+    const bool ok = i < ci.len;
+    const Raw* row = static_cast<const Raw*>(p.k_raw) + (ci.bos + (ok ? i : 0)) * p.tok_kr + h * p.ld_kr + 2 * q;
+#pragma unroll
+    for (int kb = 0; kb < NKB; ++kb)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) x[hr][kb][nt] = ok ? ld2<Raw>(row + kb * 64 + 8 * nt) : make_float2(0.f, 0.f);
+  }
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float xx = 0.f, xd = 0.f;
+#pragma unroll
+    for (int kb = 0; kb < NKB; ++kb)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const float2 v = x[hr][kb][nt];
+        xx += v.x * v.x + v.y * v.y;
+        xd += v.x * dka[kb][nt][2 * hr] + v.y * dka[kb][nt][2 * hr + 1];
+      }
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+      xx += __shfl_xor_sync(0xffffffffu, xx, o);
+      xd += __shfl_xor_sync(0xffffffffu, xd, o);
+    }
+    const float r = rsqrtf(xx + p.l2norm_eps), c = r * r * xd;
+#pragma unroll
+    for (int kb = 0; kb < NKB; ++kb)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        dka[kb][nt][2 * hr] = r * (dka[kb][nt][2 * hr] - x[hr][kb][nt].x * c);
+        dka[kb][nt][2 * hr + 1] = r * (dka[kb][nt][2 * hr + 1] - x[hr][kb][nt].y * c);
+      }
+  }
+}
+template <int K>
+__device__ __forceinline__ void wy_dk_l2norm(float (&dka)[K / 64][8][4], const Params& p, const ChunkInfo& ci, int h,
+                                             int warp, int g8, int q) {
+  switch (p.k_raw_dtype) {
+    case DType::kBFloat16: wy_dk_l2norm_as<__nv_bfloat16, K>(dka, p, ci, h, warp, g8, q); break;
+    case DType::kHalf: wy_dk_l2norm_as<__half, K>(dka, p, ci, h, warp, g8, q); break;
+    default: wy_dk_l2norm_as<float, K>(dka, p, ci, h, warp, g8, q); break;
+  }
+}
+
+// dk of this CTA's rows (K <= 128), through the L2 norm's chain rule where Params::dk_l2norm asks for it
 template <class St, int K>
-__device__ __forceinline__ void wy_dk_store(const float (&dka)[K / 64][8][4], const Params& p, const ChunkInfo& ci,
-                                            int h, int warp, int g8, int q) {
+__device__ __forceinline__ void wy_dk_store(float (&dka)[K / 64][8][4], const Params& p, const ChunkInfo& ci, int h,
+                                            int warp, int g8, int q) {
   constexpr int NKB = K / 64;
   const int64_t HK = static_cast<int64_t>(p.H) * K;
+  if (p.dk_l2norm) wy_dk_l2norm<K>(dka, p, ci, h, warp, g8, q);
+  const bool f32 = p.grad_f32 && !p.dk_l2norm;
   if constexpr (sizeof(St) == 2) {
     const bool ok[2] = {16 * warp + g8 < ci.len, 16 * warp + g8 + 8 < ci.len};
     const int64_t off = (ci.bos + 16 * warp + g8) * HK + h * K;
 #pragma unroll
-    for (int kb = 0; kb < NKB; ++kb) wy_store_grad<St>(p.dk, off + kb * 64, HK, dka[kb], ok, p.grad_f32, q);
+    for (int kb = 0; kb < NKB; ++kb) wy_store_grad<St>(p.dk, off + kb * 64, HK, dka[kb], ok, f32, q);
   } else {
 #pragma unroll
     for (int kb = 0; kb < NKB; ++kb)
@@ -213,7 +271,7 @@ __device__ __forceinline__ void wy_dk_store(const float (&dka)[K / 64][8][4], co
           const int i = 16 * warp + g8 + 8 * hr;
           if (i >= ci.len) continue;
           const int64_t off = (ci.bos + i) * HK + h * K + kb * 64 + 8 * nt + 2 * q;
-          st2_grad<St>(p.dk, off, dka[kb][nt][2 * hr], dka[kb][nt][2 * hr + 1], p.grad_f32);
+          st2_grad<St>(p.dk, off, dka[kb][nt][2 * hr], dka[kb][nt][2 * hr + 1], f32);
         }
   }
 }

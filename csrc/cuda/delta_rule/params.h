@@ -114,6 +114,15 @@ struct Params {
   float* dg;
   void* dbeta;          // dbeta_dtype: beta's own dtype when the op layer allows it, else fp32
   DType dbeta_dtype;
+  // use_qk_l2norm_in_kernel with K <= 128 (dk_l2norm): k holds the normalised keys, k_raw the caller's (k_raw_dtype;
+  // head to head ld_kr, token to token tok_kr elements apart, each row contiguous), and grad_wy stores dk of k_raw,
+  // r (dk_n - x r^2 (x . dk_n)) with x a row of k_raw and r = (sum(x^2) + l2norm_eps)^(-1/2), in St whatever
+  // grad_f32 says (dq stays as grad_f32 says: the op layer applies its chain rule)
+  int dk_l2norm;
+  const void* k_raw;
+  DType k_raw_dtype;
+  int64_t ld_kr, tok_kr;
+  float l2norm_eps;
 };
 
 // CTAs along x of a sequential pass: one per unit, or with warm = 2 (the exact fallback, which runs in each
