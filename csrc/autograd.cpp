@@ -141,9 +141,9 @@ class DeltaRuleFunction : public torch::autograd::Function<DeltaRuleFunction> {
     DeltaRuleArgs args;
     detail::assign_fields(args.fwd_fields(), a...);
     at::AutoDispatchBelowADInplaceOrView guard;
-    // With use_qk_l2norm_in_kernel the forward normalises q and k here and keeps them (as the residual, unless
-    // GATED_DELTA_BACKWARD_RESIDUAL=0), so that the backward does not normalise them again; the forward op then
-    // runs on them as given, which computes what it would compute from q and k with the option.
+    // With use_qk_l2norm_in_kernel the forward normalises q and k here and keeps them beside the residual (neither
+    // with GATED_DELTA_BACKWARD_RESIDUAL=0), so that the backward does not normalise them again; the forward op
+    // then runs on them without the option, which computes what it computes from q and k with it.
     DeltaRuleArgs run = args;
     at::Tensor q_normed, k_normed;
     const bool keep = keep_residual();

@@ -36,7 +36,6 @@ template <> __device__ __forceinline__ void st2<__half>(__half* p, float a, floa
 template <> __device__ __forceinline__ void st2<float>(float* p, float a, float b) {
   *reinterpret_cast<float2*>(p) = make_float2(a, b);
 }
-// eight consecutive floats (p 16-byte aligned) as two 16-byte loads
 // two adjacent elements (4- or 8-byte aligned) as floats
 template <class St> __device__ __forceinline__ float2 ld2(const St* p);
 template <> __device__ __forceinline__ float2 ld2<__nv_bfloat16>(const __nv_bfloat16* p) {
@@ -46,6 +45,7 @@ template <> __device__ __forceinline__ float2 ld2<__half>(const __half* p) {
   return __half22float2(*reinterpret_cast<const __half2*>(p));
 }
 template <> __device__ __forceinline__ float2 ld2<float>(const float* p) { return *reinterpret_cast<const float2*>(p); }
+// eight consecutive floats (p 16-byte aligned) as two 16-byte loads
 __device__ __forceinline__ void ld8(const float* p, float (&x)[8]) {
   *reinterpret_cast<float4*>(x) = reinterpret_cast<const float4*>(p)[0];
   *reinterpret_cast<float4*>(x + 4) = reinterpret_cast<const float4*>(p)[1];
