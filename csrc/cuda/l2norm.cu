@@ -143,17 +143,18 @@ __global__ void __launch_bounds__(kThreads) l2norm_any_kernel(const L2NormParams
 
 // ---- host side ----
 
-// x's rows: the tensor read (x itself where its last dim is dense, else a contiguous copy) and its leading dims as
-// at most three (size, stride) pairs, adjacent dims merged where one steps densely through the next.
+// x's rows: the tensor read (x itself where its last dim is dense, else a contiguous copy) and the kernels' parameters
+// for it, its leading dims as at most three (size, stride) pairs, adjacent dims merged where one steps densely through
+// the next (the caller sets dy and out)
 struct Rows {
   at::Tensor x;
-  int64_t R = 0, D = 0, n1 = 1, n2 = 1, s0 = 0, s1 = 0, s2 = 0;
+  L2NormParams p;
 };
 
-Rows rows_of(const at::Tensor& x0) {
+Rows rows_of(const at::Tensor& x0, double eps) {
   Rows w;
-  w.D = x0.size(-1);
-  w.x = (w.D > 1 && x0.stride(-1) != 1) ? x0.contiguous() : x0;
+  const int64_t D = x0.size(-1);
+  w.x = (D > 1 && x0.stride(-1) != 1) ? x0.contiguous() : x0;
   std::vector<std::pair<int64_t, int64_t>> g;  // outermost first
   for (int64_t i = 0; i + 1 < w.x.dim(); ++i) {
     const int64_t n = w.x.size(i), s = w.x.stride(i);
@@ -166,32 +167,22 @@ Rows rows_of(const at::Tensor& x0) {
   }
   if (g.size() > 3) {
     w.x = w.x.contiguous();
-    g = {{w.x.numel() / w.D, w.D}};
+    g = {{w.x.numel() / D, D}};
   }
   while (g.size() < 3) g.insert(g.begin(), {1, 0});
-  w.R = g[0].first * g[1].first * g[2].first;
-  TORCH_CHECK(w.R < (int64_t{1} << 31), "x must have fewer than 2^31 rows (the product of its leading dims) on CUDA, "
-              "got ", w.R);
-  w.n1 = g[1].first;
-  w.n2 = g[2].first;
-  w.s0 = g[0].second;
-  w.s1 = g[1].second;
-  w.s2 = g[2].second;
-  return w;
-}
-
-L2NormParams params_of(const Rows& w, double eps) {
-  L2NormParams p;
+  L2NormParams& p = w.p;
+  p.R = g[0].first * g[1].first * g[2].first;
+  TORCH_CHECK(p.R < (int64_t{1} << 31), "x must have fewer than 2^31 rows (the product of its leading dims) on CUDA, "
+              "got ", p.R);
   p.x = w.x.data_ptr();
-  p.R = w.R;
-  p.D = w.D;
-  p.n1 = w.n1;
-  p.n2 = w.n2;
-  p.s0 = w.s0;
-  p.s1 = w.s1;
-  p.s2 = w.s2;
+  p.D = D;
+  p.n1 = g[1].first;
+  p.n2 = g[2].first;
+  p.s0 = g[0].second;
+  p.s1 = g[1].second;
+  p.s2 = g[2].second;
   p.eps = static_cast<float>(eps);
-  return p;
+  return w;
 }
 
 // The packed kernel applies where every row of x (and of dy and the result) starts on a multiple of four elements
@@ -237,11 +228,10 @@ at::Tensor l2norm_fwd_cuda(const at::Tensor& x, double eps, c10::optional<at::Sc
   const DType in = dtype_of(x.scalar_type(), "x");
   const at::ScalarType kout = kernel_out(x, out);
   const c10::cuda::CUDAGuard guard(x.device());
-  const Rows w = rows_of(x);
+  Rows w = rows_of(x, eps);
   at::Tensor y = at::empty(x.sizes(), x.options().dtype(kout));
-  L2NormParams p = params_of(w, eps);
-  p.out = y.data_ptr();
-  launch(p, in, kout == at::kFloat, /*backward=*/false);
+  w.p.out = y.data_ptr();
+  launch(w.p, in, kout == at::kFloat, /*backward=*/false);
   return kout == out ? y : y.to(out);
 }
 
@@ -254,12 +244,11 @@ at::Tensor l2norm_bwd_cuda(const at::Tensor& dy, const at::Tensor& x, double eps
   const at::ScalarType kout = kernel_out(x, out);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor g = dy.to(at::kFloat).contiguous();  // (the core's dq and dk are already)
-  const Rows w = rows_of(x);
+  Rows w = rows_of(x, eps);
   at::Tensor dx = at::empty(x.sizes(), x.options().dtype(kout));
-  L2NormParams p = params_of(w, eps);
-  p.dy = g.data_ptr<float>();
-  p.out = dx.data_ptr();
-  launch(p, in, kout == at::kFloat, /*backward=*/true);
+  w.p.dy = g.data_ptr<float>();
+  w.p.out = dx.data_ptr();
+  launch(w.p, in, kout == at::kFloat, /*backward=*/true);
   return kout == out ? dx : dx.to(out);
 }
 
