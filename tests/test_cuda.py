@@ -286,12 +286,10 @@ def test_strided_inputs():
 
 def _qk_layout(x, where):
     """x [B, T, H, K] through differentiable ops into the layout a model passes: "proj" a slice of a fused q | k | v
-    projection's rows (tokens 3 H K apart), "heads" the heads-first layout [B, H, T, K] transposed (the op reads a
-    dense copy), "dense" x itself."""
-    B, T, H, K = x.shape
+    projection's rows after q's columns (_strided_view's "fused"), "heads" the heads-first layout [B, H, T, K]
+    transposed (the op reads a dense copy), "dense" x itself."""
     if where == "proj":
-        pad = torch.zeros(B, T, H * K, device=x.device, dtype=x.dtype)
-        return torch.cat([pad, x.reshape(B, T, H * K), pad], -1)[..., H * K:2 * H * K].view(B, T, H, K)
+        return _strided_view(x, "fused", x.shape[2] * x.shape[3])
     if where == "heads":
         return x.transpose(1, 2).contiguous().transpose(1, 2)
     return x

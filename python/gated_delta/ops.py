@@ -242,11 +242,11 @@ def _state_dtype(q, v=None):
     return torch.float64 if torch.float64 in (q.dtype, getattr(v, "dtype", None)) else torch.float32
 
 
-def _check_devices(q, **tensors):
+def _check_devices(ref, *, ref_name="q", **tensors):
     # A call that mixes meta tensors with real ones dispatches here rather than to a backend: same check, same words.
     for name, t in tensors.items():
-        if t is not None and t.device != q.device:
-            raise RuntimeError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
+        if t is not None and t.device != ref.device:
+            raise RuntimeError(f"{name} must be on the same device as {ref_name} ({ref.device}), got {t.device}")
 
 
 @torch.library.register_fake("gated_delta::fwd")
@@ -284,8 +284,7 @@ def _l2norm_fwd_fake(x, eps, out_dtype=None):
 
 @torch.library.register_fake("gated_delta::l2norm_bwd")
 def _l2norm_bwd_fake(dy, x, eps, out_dtype=None):
-    if dy.device != x.device:
-        raise RuntimeError(f"dy must be on the same device as x ({x.device}), got {dy.device}")
+    _check_devices(x, ref_name="x", dy=dy)
     return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
 
 
