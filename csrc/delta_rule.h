@@ -264,16 +264,59 @@ struct CoreGrads {
 //   CoreForward core_forward_<backend>(const CoreArgs& args, bool output_final_state, bool keep_residual);
 //   CoreGrads core_backward_<backend>(const CoreArgs& args, const at::Tensor& d_o, const at::Tensor& d_final_state);
 // and registers fwd_kernel<fwd_impl<core_forward_<backend>>>,
-// fwd_residual_kernel<fwd_residual_impl<core_forward_<backend>>> and bwd_kernel<bwd_impl<core_backward_<backend>>>.
+// fwd_residual_kernel<fwd_residual_impl<core_forward_<backend>>> and bwd_kernel<bwd_impl<core_backward_<backend>>>,
+// each with the backend's gate and beta functions (below) as further template arguments where it has its own.
 
 // ---- the op layer: validation and the in-kernel pre-processing around a backend's core ----
 
-// The pre-processed inputs plus what the backward chain rule needs of the pre-processing.
-struct Preprocessed {
-  CoreArgs core;
-  at::Tensor beta_sig;  // sigmoid(beta) when use_beta_sigmoid_in_kernel
-  at::Tensor gate_arg;  // g_raw + dt_bias when use_gate_in_kernel
+// use_gate_in_kernel and use_beta_sigmoid_in_kernel, forward: g and beta as the core reads them from the caller's,
+//   g = -exp(A_log) softplus(g_raw + dt_bias)   (softplus(x) = x above 20, as at::softplus)
+//   beta = sigmoid(beta_raw), times 2 with allow_neg_eigval,
+// both in the state dtype cd; undefined where the option is off. Backward: their chain rule from the core's dg (cd) and
+// dbeta (cd), dg_raw in g's dtype, dbeta_raw in beta's, and the sums over batch and time dA_log = sum(dg g) and
+// ddt_bias = sum(dg_raw) in A_log's and dt_bias's (undefined where the option, or dt_bias, is absent). Recomputed from
+// the caller's inputs, nothing kept. The ATen expressions below are the reference; a backend may register kernels.
+struct GateBeta {
+  at::Tensor g, beta;
 };
+struct GateBetaGrads {
+  at::Tensor dg, dbeta, dA_log, ddt_bias;
+};
+using GateBetaFwdFn = GateBeta (*)(const DeltaRuleArgs&, at::ScalarType);
+using GateBetaBwdFn = GateBetaGrads (*)(const DeltaRuleArgs&, const at::Tensor&, const at::Tensor&);
+
+inline GateBeta gate_beta_fwd_aten(const DeltaRuleArgs& x, at::ScalarType cd) {
+  GateBeta r;
+  if (x.use_beta_sigmoid_in_kernel) {
+    r.beta = at::sigmoid(x.beta.to(cd));
+    if (x.allow_neg_eigval) r.beta = r.beta * 2.0;
+  }
+  if (x.use_gate_in_kernel) {
+    const at::Tensor arg = x.dt_bias.has_value() ? x.g.to(cd) + x.dt_bias->to(cd) : x.g.to(cd);
+    r.g = at::softplus(arg).mul_(at::exp(x.A_log->to(cd)).neg_());
+  }
+  return r;
+}
+
+inline GateBetaGrads gate_beta_bwd_aten(const DeltaRuleArgs& x, const at::Tensor& dg, const at::Tensor& dbeta) {
+  const at::ScalarType cd = dg.scalar_type();
+  GateBetaGrads r;
+  if (x.use_beta_sigmoid_in_kernel) {
+    const at::Tensor s = at::sigmoid(x.beta.to(cd));
+    r.dbeta = dbeta.to(cd) * s * (1.0 - s);
+    if (x.allow_neg_eigval) r.dbeta = r.dbeta * 2.0;
+    r.dbeta = r.dbeta.to(x.beta.scalar_type());
+  }
+  if (x.use_gate_in_kernel) {
+    const at::Tensor arg = x.dt_bias.has_value() ? x.g.to(cd) + x.dt_bias->to(cd) : x.g.to(cd);
+    const at::Tensor neg_a = at::exp(x.A_log->to(cd)).neg();
+    const at::Tensor dgx = dg * at::sigmoid(arg) * neg_a;
+    r.dA_log = (dg * (at::softplus(arg) * neg_a)).sum(at::IntArrayRef{0, 1}).to(x.A_log->scalar_type());
+    if (x.dt_bias.has_value()) r.ddt_bias = dgx.sum(at::IntArrayRef{0, 1}).to(x.dt_bias->scalar_type());
+    r.dg = dgx.to(x.g.scalar_type());
+  }
+  return r;
+}
 
 // The L2-norm ops below autograd (the op layer's use_qk_l2norm_in_kernel, and l2norm_fwd's autograd Function).
 inline at::Tensor call_l2norm_fwd(const at::Tensor& x, double eps, c10::optional<at::ScalarType> out) {
@@ -299,9 +342,9 @@ inline std::pair<at::Tensor, at::Tensor> l2norm_qk(const DeltaRuleArgs& x) {
   return {call_l2norm_fwd(x.q, kL2NormEps, xd), call_l2norm_fwd(x.k, kL2NormEps, xd)};
 }
 
-inline Preprocessed preprocess(const DeltaRuleArgs& x) {
-  Preprocessed p;
-  CoreArgs& a = p.core;
+// The core's arguments: the caller's inputs pre-processed as the in-kernel options ask.
+inline CoreArgs preprocess(const DeltaRuleArgs& x, GateBetaFwdFn gate_beta) {
+  CoreArgs a;
   a.algorithm = parse_algorithm(x.algorithm);
   // q, k and v may differ in dtype: the core computes in the wider one (the output and every gradient are cast
   // back to their input's dtype); g, A_log, dt_bias and the state are read in the state dtype cd, beta in its own
@@ -318,18 +361,10 @@ inline Preprocessed preprocess(const DeltaRuleArgs& x) {
     a.k = x.k.to(xd);
   }
   a.v = x.v.to(xd);
-  if (x.use_beta_sigmoid_in_kernel) {
-    p.beta_sig = at::sigmoid(x.beta.to(cd));
-    a.beta = x.allow_neg_eigval ? p.beta_sig * 2.0 : p.beta_sig;
-  } else {
-    a.beta = x.beta;
-  }
-  if (x.use_gate_in_kernel) {
-    p.gate_arg = x.dt_bias.has_value() ? x.g.to(cd) + x.dt_bias->to(cd) : x.g.to(cd);
-    a.g = at::softplus(p.gate_arg).mul_(at::exp(x.A_log->to(cd)).neg_());
-  } else {
-    a.g = x.g.to(cd);
-  }
+  GateBeta gb;
+  if (x.use_beta_sigmoid_in_kernel || x.use_gate_in_kernel) gb = gate_beta(x, cd);
+  a.beta = x.use_beta_sigmoid_in_kernel ? gb.beta : x.beta;
+  a.g = x.use_gate_in_kernel ? gb.g : x.g.to(cd);
   if (x.gk.has_value()) a.gk = x.gk->to(cd);
   if (x.gv.has_value()) a.gv = x.gv->to(cd);
   if (a.has_kv_gates()) a.algorithm = Algorithm::Recurrent;  // (checks allow only "auto" and "recurrent")
@@ -349,7 +384,7 @@ inline Preprocessed preprocess(const DeltaRuleArgs& x) {
   a.grads_in_input_dtype = !x.use_qk_l2norm_in_kernel;  // the L2-norm chain rule wants dq, dk unrounded
   if (x.use_qk_l2norm_in_kernel) a.l2norm_k = x.k;      // (the backward's: its core may apply dk's chain rule)
   a.dbeta_in_beta_dtype = !x.use_beta_sigmoid_in_kernel;   // and the sigmoid's dbeta unrounded
-  return p;
+  return a;
 }
 
 inline at::Tensor empty_grad(const at::Tensor& like) {
@@ -360,20 +395,20 @@ using CoreFwdFn = CoreForward (*)(const CoreArgs&, bool, bool);
 
 // The forward through a backend's core: o in v's dtype, the final state (an empty tensor unless asked for) and,
 // with keep_residual, the core's residual (an empty byte tensor where it keeps none).
-template <CoreFwdFn CoreFwd>
+template <CoreFwdFn CoreFwd, GateBetaFwdFn GateBetaFwd>
 CoreForward fwd_common(const DeltaRuleArgs& x, bool keep_residual) {
   const Sizes s = check_delta_rule_args(x);
-  Preprocessed p = preprocess(x);
-  const auto state_opts = x.q.options().dtype(p.core.state_dtype());
+  const CoreArgs core = preprocess(x, GateBetaFwd);
+  const auto state_opts = x.q.options().dtype(core.state_dtype());
   CoreForward r;
   if (s.T == 0) {
     if (x.output_final_state) {
-      r.final_state = p.core.initial_state.defined() ? p.core.initial_state.clone()
+      r.final_state = core.initial_state.defined() ? core.initial_state.clone()
                                                      : at::zeros(state_shape(s, x.state_v_first), state_opts);
     }
     r.o = at::empty({s.B, 0, s.HV, s.V}, x.v.options());
   } else {
-    r = CoreFwd(p.core, x.output_final_state, keep_residual);
+    r = CoreFwd(core, x.output_final_state, keep_residual);
     r.o = r.o.to(x.v.scalar_type());
   }
   if (!x.output_final_state) r.final_state = at::empty({0}, state_opts);
@@ -381,26 +416,27 @@ CoreForward fwd_common(const DeltaRuleArgs& x, bool keep_residual) {
   return r;
 }
 
-template <CoreFwdFn CoreFwd>
+template <CoreFwdFn CoreFwd, GateBetaFwdFn GateBetaFwd = gate_beta_fwd_aten>
 FwdResult fwd_impl(const DeltaRuleArgs& x) {
-  CoreForward r = fwd_common<CoreFwd>(x, /*keep_residual=*/false);
+  CoreForward r = fwd_common<CoreFwd, GateBetaFwd>(x, /*keep_residual=*/false);
   return {r.o, r.final_state};
 }
 
-template <CoreFwdFn CoreFwd>
+template <CoreFwdFn CoreFwd, GateBetaFwdFn GateBetaFwd = gate_beta_fwd_aten>
 FwdResidualResult fwd_residual_impl(const DeltaRuleArgs& x) {
-  CoreForward r = fwd_common<CoreFwd>(x, /*keep_residual=*/true);
+  CoreForward r = fwd_common<CoreFwd, GateBetaFwd>(x, /*keep_residual=*/true);
   return {r.o, r.final_state, r.residual};
 }
 
-template <CoreGrads (*CoreBwd)(const CoreArgs&, const at::Tensor&, const at::Tensor&)>
+template <CoreGrads (*CoreBwd)(const CoreArgs&, const at::Tensor&, const at::Tensor&),
+          GateBetaFwdFn GateBetaFwd = gate_beta_fwd_aten, GateBetaBwdFn GateBetaBwd = gate_beta_bwd_aten>
 BwdResult bwd_impl(const at::Tensor& d_o, const OptTensor& d_final_state, const DeltaRuleArgs& x) {
   const Sizes s = check_delta_rule_args(x);
   at::Tensor dht = check_delta_rule_grads(x, s, d_o, d_final_state);
-  Preprocessed p = preprocess(x);
-  const at::ScalarType sd = p.core.state_dtype();
+  CoreArgs core = preprocess(x, GateBetaFwd);
+  const at::ScalarType sd = core.state_dtype();
   if (dht.defined()) dht = dht.to(sd);
-  if (x.residual.has_value() && x.residual->numel() > 0) p.core.residual = *x.residual;  // (checked above)
+  if (x.residual.has_value() && x.residual->numel() > 0) core.residual = *x.residual;  // (checked above)
 
   CoreGrads gr;
   if (s.T == 0) {
@@ -415,7 +451,7 @@ BwdResult bwd_impl(const at::Tensor& d_o, const OptTensor& d_final_state, const 
     if (x.gk.has_value()) gr.dgk = at::zeros(x.gk->sizes(), x.gk->options().dtype(sd));
     if (x.gv.has_value()) gr.dgv = at::zeros(x.gv->sizes(), x.gv->options().dtype(sd));
   } else {
-    gr = CoreBwd(p.core, d_o, dht);
+    gr = CoreBwd(core, d_o, dht);
   }
 
   // Chain rule through the in-kernel pre-processing.
@@ -424,23 +460,18 @@ BwdResult bwd_impl(const at::Tensor& d_o, const OptTensor& d_final_state, const 
     dq = call_l2norm_bwd(dq, x.q, kL2NormEps, x.q.scalar_type());
     if (!gr.dk_l2norm) dk = call_l2norm_bwd(dk, x.k, kL2NormEps, x.k.scalar_type());
   }
-  at::Tensor dbeta = gr.dbeta;
-  if (x.use_beta_sigmoid_in_kernel) {
-    dbeta = dbeta * p.beta_sig * (1.0 - p.beta_sig);
-    if (x.allow_neg_eigval) dbeta = dbeta * 2.0;
+  at::Tensor dbeta = gr.dbeta, dg = gr.dg, dA_log, ddt_bias;
+  if (x.use_beta_sigmoid_in_kernel || x.use_gate_in_kernel) {
+    GateBetaGrads gb = GateBetaBwd(x, gr.dg, gr.dbeta);
+    if (x.use_beta_sigmoid_in_kernel) dbeta = gb.dbeta;
+    if (x.use_gate_in_kernel) {
+      dg = gb.dg;
+      dA_log = gb.dA_log;
+      ddt_bias = gb.ddt_bias;
+    }
   }
-  at::Tensor dg = gr.dg, dA_log, ddt_bias;
-  if (x.use_gate_in_kernel) {
-    // g = -exp(A_log) softplus(g_raw + dt_bias)
-    auto dgx = dg * at::sigmoid(p.gate_arg) * at::exp(x.A_log->to(sd)).neg();
-    dA_log = (dg * p.core.g).sum(at::IntArrayRef{0, 1}).to(x.A_log->scalar_type());
-    ddt_bias = x.dt_bias.has_value() ? dgx.sum(at::IntArrayRef{0, 1}).to(x.dt_bias->scalar_type())
-                                     : empty_grad(x.q);
-    dg = dgx;
-  } else {
-    dA_log = empty_grad(x.q);
-    ddt_bias = empty_grad(x.q);
-  }
+  if (!dA_log.defined()) dA_log = empty_grad(x.q);
+  if (!ddt_bias.defined()) ddt_bias = empty_grad(x.q);
   at::Tensor dh0 =
       x.initial_state.has_value() ? gr.d_initial_state.to(x.initial_state->scalar_type()) : empty_grad(x.q);
   at::Tensor dgk = x.gk.has_value() ? gr.dgk.to(x.gk->scalar_type()) : empty_grad(x.q);

@@ -242,8 +242,8 @@ def _sanitize_l2norm():
     """The L2-norm kernels (l2norm_fwd, l2norm_bwd) on their access patterns: four elements per access (K = 128, q
     split from a fused projection's rows), one (K = 100, and rows one element off alignment), leading dims that do
     not merge, fp32 and bf16 results; then forwards + backwards with use_qk_l2norm_in_kernel (grad_wy reads the
-    caller's k for dk's chain rule): bf16 with grouped heads, a varlen batch of odd lengths with K = 64, and k read in
-    place from a fused projection's rows."""
+    caller's k for dk's chain rule): bf16 with grouped heads, a varlen batch of odd lengths with K = 64, and q and k
+    read in place from a fused projection's rows."""
     ops = torch.ops.gated_delta
     for K in (128, 100):
         fused = torch.randn(2, 65, 3 * 4 * K + 8, device="cuda").bfloat16()
@@ -263,15 +263,16 @@ def _sanitize_l2norm():
         print("l2norm in the op", K, cu, "ok", all(torch.isfinite(x).all().item() for x in r.values()))
     inp = make_inputs(2, 130, 2, 4, 128, 128, torch.bfloat16, options=True)
     rows = torch.randn(2, 130, 3 * 2 * 128, device="cuda").bfloat16()
+    rows[..., :256] = inp["q"].flatten(2)
     rows[..., 256:512] = inp["k"].flatten(2)
-    k, q = rows[..., 256:512].unflatten(-1, (2, 128)), inp["q"]
+    q, k = rows[..., :256].unflatten(-1, (2, 128)), rows[..., 256:512].unflatten(-1, (2, 128))
     o, _ = ops.fwd(q, k, inp["v"], inp["g"], inp["beta"], 0.1, None, False, None, None, True, True, True, True,
                    inp["A_log"], inp["dt_bias"], "chunk", 64)
     dq, dk = ops.bwd(torch.randn_like(o), None, q, k, inp["v"], inp["g"], inp["beta"], 0.1, None, None, None, True,
                      True, True, True, inp["A_log"], inp["dt_bias"], "chunk", 64)[:2]
     torch.cuda.synchronize()
     ok = bool(torch.isfinite(dk).all() and torch.isfinite(dq).all())
-    print("l2norm in the op, k in place", tuple(k.stride()), "ok", ok)
+    print("l2norm in the op, q and k in place", tuple(q.stride()), tuple(k.stride()), "ok", ok)
 
 
 if __name__ == "__main__":

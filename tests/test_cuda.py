@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_helpers import TOL, check_graph_replay, make_inputs, output_grads, reference, rel_err, run_ours  # noqa: E402
@@ -62,6 +63,10 @@ CASES = {
     # here), the op layer for K = 256
     "options_varlen_K64": (1, 1000, 2, 4, 64, 128, True, [0, 1, 63, 65, 1000], True),
     "options_K256": (2, 200, 2, 4, 256, 64, True, None, True),
+    # ... through grad_qk's persistent CTAs, about 8 items each of one step, and a varlen batch with one-token
+    # sequences (grad_wy's chain rule on rows of every length), four steps per item
+    "options_qk_walk": (1, 4100, 8, 8, 128, 64, True, None, True),
+    "options_qk_varlen": (1, 3000, 4, 8, 128, 128, True, [0, 1, 64, 1000, 1001, 3000], True),
 }
 
 _REF_CACHE = {}
@@ -120,8 +125,9 @@ def test_auto_and_recurrent_run():
         assert rel_err(r["o"], ref["o"]) < 5e-3
 
 
-def test_deterministic():
-    inp = make_inputs(1, 777, 2, 8, 128, 128, torch.bfloat16, cu_seqlens=[0, 100, 500, 777])
+@pytest.mark.parametrize("options", [False, True], ids=["plain", "options"])
+def test_deterministic(options):
+    inp = make_inputs(1, 777, 2, 8, 128, 128, torch.bfloat16, cu_seqlens=[0, 100, 500, 777], options=options)
     d_o, d_ht = output_grads(inp, 3)
     for algo in ("chunk", "scan"):
         a = run_ours(inp, d_o, d_ht, algorithm=algo)
@@ -282,6 +288,58 @@ def test_strided_inputs():
     st["v"] = torch.cat([inp["v"], inp["v"]], dim=-1)[..., :V]
     out = run_ours(st, grads=False)
     assert torch.equal(out["o"], ref["o"])
+
+
+@pytest.mark.parametrize("K", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_l2norm_option_chain_rule_placement(K, dtype):
+    """use_qk_l2norm_in_kernel: for K <= 128 grad_wy applies the L2 norm's chain rule to dk, so the backward runs
+    `l2norm_bwd` for dq alone (whose rows grad_qk splits over two CTAs); for K = 256 for both."""
+    inp = make_inputs(1, 200, 2, 4, K, 64, dtype, options=True)
+    d_o, d_ht = output_grads(inp, 1)
+    run_ours(inp, d_o, d_ht)  # (warm)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run_ours(inp, d_o, d_ht)
+    calls = sum(e.name == "gated_delta::l2norm_bwd" for e in prof.events())
+    expected = 2 if K == 256 else 1
+    assert calls == expected, (K, dtype, calls)
+
+
+@pytest.mark.parametrize("combo", ["beta_sigmoid", "gate_no_dt_bias", "gate_bf16_params", "both_bf16_inputs",
+                                   "g_fp64"])
+def test_gate_and_beta_options(combo):
+    """use_gate_in_kernel and use_beta_sigmoid_in_kernel (one CUDA kernel forward, two backward, for g, beta and the
+    parameters' gradients) alone and together, in the dtypes a model passes: against float64, every gradient in its
+    input's dtype, and bitwise the same when run again. 2100 tokens of 4 heads are five blocks of the backward's
+    first kernel, the last one partial; a g in float64 takes the op layer's ATen expressions."""
+    gen = torch.Generator().manual_seed(len(combo))
+    inp = make_inputs(3, 700, 2, 4, 64, 64, torch.float32, options=True, seed=len(combo))  # (q, k: L2-normalised)
+    if combo == "beta_sigmoid":
+        inp.update(use_gate_in_kernel=False, A_log=None, dt_bias=None, allow_neg_eigval=False)
+        inp["g"] = F.logsigmoid(torch.randn(3, 700, 4, generator=gen) + 3.0).cuda()
+    elif combo == "gate_no_dt_bias":
+        inp.update(use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, dt_bias=None)
+        inp["beta"] = torch.sigmoid(inp["beta"])
+    elif combo == "gate_bf16_params":
+        inp["A_log"], inp["dt_bias"] = inp["A_log"].bfloat16(), inp["dt_bias"].bfloat16()
+    elif combo == "both_bf16_inputs":
+        inp["g"], inp["beta"] = inp["g"].bfloat16(), inp["beta"].bfloat16()
+    elif combo == "g_fp64":
+        inp["g"] = inp["g"].double()
+    d_o, d_ht = output_grads(inp, 3, seed=5)
+    ref = reference(inp, d_o, d_ht)
+    a = run_ours(inp, d_o, d_ht)
+    b = run_ours(inp, d_o, d_ht)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+        if key[1:] in inp and isinstance(inp[key[1:]], torch.Tensor):
+            assert a[key].dtype == inp[key[1:]].dtype, (key, a[key].dtype)
+    errs = {key: rel_err(a[key], r) for key, r in ref.items()}
+    print(f"\n{combo}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    for key, e in errs.items():
+        x = inp.get(key[1:])
+        tol = TOL[x.dtype if isinstance(x, torch.Tensor) and x.dtype != torch.float64 else torch.float32][1]
+        assert e <= tol, f"{key}: relative error {e:.3e} ({errs})"
 
 
 def _qk_layout(x, where):

@@ -19,6 +19,7 @@
 #include "../checks.h"
 #include "../delta_rule.h"
 #include "delta_rule/params.h"
+#include "gate_beta.h"
 
 namespace gated_delta {
 
@@ -968,14 +969,95 @@ CoreForward core_forward_cuda(const CoreArgs& a, bool output_final_state, bool k
   return forward_cuda(a, output_final_state, keep_residual, at::Tensor());
 }
 
+// ---- use_gate_in_kernel, use_beta_sigmoid_in_kernel: one kernel forward, two backward (gate_beta.cu) ----
+namespace {
+bool gate_beta_kernels_apply(const DeltaRuleArgs& x, at::ScalarType cd) {
+  // (the kernels read bf16, fp16 and fp32, and hold a block's terms of at most kGateBetaTile heads; ATen does the rest)
+  auto ok = [](const at::Tensor& t) {
+    const at::ScalarType s = t.scalar_type();
+    return s == at::kBFloat16 || s == at::kHalf || s == at::kFloat;
+  };
+  return cd == at::kFloat && ok(x.g) && ok(x.beta) && (!x.A_log.has_value() || ok(*x.A_log)) &&
+         (!x.dt_bias.has_value() || ok(*x.dt_bias)) && x.g.size(2) <= cuda::kGateBetaTile;
+}
+
+cuda::GateBetaParams gate_beta_params(const DeltaRuleArgs& x, const at::Tensor& g, const at::Tensor& beta) {
+  cuda::GateBetaParams p;
+  p.n = g.numel();
+  p.HV = static_cast<int>(g.size(2));
+  p.gate = x.use_gate_in_kernel;
+  p.sigmoid = x.use_beta_sigmoid_in_kernel;
+  p.beta_mul = x.allow_neg_eigval ? 2.f : 1.f;
+  p.g = g.data_ptr();
+  p.g_dtype = cuda::dtype_of(g.scalar_type(), "g");
+  p.beta = beta.data_ptr();
+  p.beta_dtype = cuda::dtype_of(beta.scalar_type(), "beta");
+  if (x.use_gate_in_kernel) {
+    p.A_log = x.A_log->data_ptr();
+    p.A_dtype = cuda::dtype_of(x.A_log->scalar_type(), "A_log");
+    if (x.dt_bias.has_value()) {
+      p.dt_bias = x.dt_bias->data_ptr();
+      p.dt_dtype = cuda::dtype_of(x.dt_bias->scalar_type(), "dt_bias");
+    }
+  }
+  return p;
+}
+}  // namespace
+
+GateBeta gate_beta_fwd_cuda(const DeltaRuleArgs& x, at::ScalarType cd) {
+  if (!gate_beta_kernels_apply(x, cd)) return gate_beta_fwd_aten(x, cd);
+  c10::cuda::CUDAGuard guard(x.g.device());
+  const at::Tensor g = x.g.contiguous(), beta = x.beta.contiguous();
+  cuda::GateBetaParams p = gate_beta_params(x, g, beta);
+  GateBeta r;
+  const auto f32 = g.options().dtype(at::kFloat);
+  if (p.gate) r.g = at::empty(g.sizes(), f32);
+  if (p.sigmoid) r.beta = at::empty(beta.sizes(), f32);
+  p.g_out = p.gate ? r.g.data_ptr<float>() : nullptr;
+  p.beta_out = p.sigmoid ? r.beta.data_ptr<float>() : nullptr;
+  cuda::launch_gate_beta_fwd(p, num_sms(x.g), at::cuda::getCurrentCUDAStream().stream());
+  return r;
+}
+
+GateBetaGrads gate_beta_bwd_cuda(const DeltaRuleArgs& x, const at::Tensor& dg, const at::Tensor& dbeta) {
+  if (!gate_beta_kernels_apply(x, dg.scalar_type())) return gate_beta_bwd_aten(x, dg, dbeta);
+  c10::cuda::CUDAGuard guard(x.g.device());
+  const at::Tensor g = x.g.contiguous(), beta = x.beta.contiguous();
+  const at::Tensor dgc = dg.contiguous(), dbc = dbeta.contiguous();
+  cuda::GateBetaParams p = gate_beta_params(x, g, beta);
+  GateBetaGrads r;
+  at::Tensor partial;
+  p.tokens_per_block = std::max(1, cuda::kGateBetaTile / p.HV);
+  p.blocks = static_cast<int>((g.size(0) * g.size(1) + p.tokens_per_block - 1) / p.tokens_per_block);
+  if (p.sigmoid) {
+    r.dbeta = at::empty(beta.sizes(), beta.options());
+    p.dbeta = dbc.data_ptr();
+    p.dbeta_dtype = cuda::dtype_of(dbc.scalar_type(), "dbeta");
+    p.dbeta_raw = r.dbeta.data_ptr();
+  }
+  if (p.gate) {
+    r.dg = at::empty(g.sizes(), g.options());
+    r.dA_log = at::empty({p.HV}, x.A_log->options());
+    if (x.dt_bias.has_value()) r.ddt_bias = at::empty({p.HV}, x.dt_bias->options());
+    partial = at::empty({std::max(1, p.blocks), 2, p.HV}, g.options().dtype(at::kFloat));
+    p.dg = dgc.data_ptr<float>();
+    p.dg_raw = r.dg.data_ptr();
+    p.partial = partial.data_ptr<float>();
+    p.dA_log = r.dA_log.data_ptr();
+    p.ddt_bias = x.dt_bias.has_value() ? r.ddt_bias.data_ptr() : nullptr;
+  }
+  cuda::launch_gate_beta_bwd(p, at::cuda::getCurrentCUDAStream().stream());
+  return r;
+}
+
 CoreGrads core_backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tensor& d_final_state) {
   return backward_cuda(a, d_o, d_final_state, at::Tensor());
 }
 
 TORCH_LIBRARY_IMPL(gated_delta, CUDA, m) {
-  m.impl("fwd", fwd_kernel<fwd_impl<core_forward_cuda>>);
-  m.impl("fwd_with_residual", fwd_residual_kernel<fwd_residual_impl<core_forward_cuda>>);
-  m.impl("bwd", bwd_kernel<bwd_impl<core_backward_cuda>>);
+  m.impl("fwd", fwd_kernel<fwd_impl<core_forward_cuda, gate_beta_fwd_cuda>>);
+  m.impl("fwd_with_residual", fwd_residual_kernel<fwd_residual_impl<core_forward_cuda, gate_beta_fwd_cuda>>);
+  m.impl("bwd", bwd_kernel<bwd_impl<core_backward_cuda, gate_beta_fwd_cuda, gate_beta_bwd_cuda>>);
 }
 
 }  // namespace gated_delta

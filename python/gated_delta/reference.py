@@ -49,7 +49,7 @@ def gated_delta_rule_ref(
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(beta) * (2.0 if allow_neg_eigval else 1.0)
     if use_gate_in_kernel:
-        g = -torch.exp(A_log.to(cd)) * F.softplus(g + dt_bias.to(cd))
+        g = -torch.exp(A_log.to(cd)) * F.softplus(g if dt_bias is None else g + dt_bias.to(cd))
     gk = gk.to(cd) if gk is not None else None
     gv = gv.to(cd) if gv is not None else None
     group = HV // H
