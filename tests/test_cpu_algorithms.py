@@ -182,6 +182,23 @@ def test_grads_vs_reference_fp64(options, chunk_size):
             _check_close(gg[name], rg[name], FP64_TOL, f"{algo} d{name}")
 
 
+def test_gate_without_dt_bias_fp64():
+    """use_gate_in_kernel without dt_bias (g = -exp(A_log) softplus(g_raw)), beside the other options: the output and
+    every gradient, dA_log included, against the float64 reference."""
+    gen = _gen("gate without dt_bias")
+    inputs = make_inputs(gen, 0, lengths=[65, 1, 30], options=OPTION_SETS["all"], beta_max=2.0)
+    del inputs["dt_bias"]
+    d_o, d_ht = cotangents(gen, inputs)
+    ro, rh, rg = ref_grads(inputs, d_o, d_ht)
+    assert set(rg) == {"q", "k", "v", "g", "beta", "initial_state", "A_log"}
+    for algo in ALGORITHMS:
+        o, ht, gg = grads_of(lambda kw: run_ours(kw, algo, 16), inputs, d_o, d_ht)
+        _check_close(o, ro, FP64_TOL, f"{algo} o")
+        _check_close(ht, rh, FP64_TOL, f"{algo} final_state")
+        for name in rg:
+            _check_close(gg[name], rg[name], FP64_TOL, f"{algo} d{name}")
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_grads_without_final_state_grad(algorithm):
     # only o feeds the loss: the final state's gradient is undefined and counts as zero
