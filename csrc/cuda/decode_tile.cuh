@@ -75,9 +75,7 @@ __device__ __forceinline__ void store_state(float* p, float4 v) {
 
 // alpha = exp(-exp(A_log) softplus(a + dt_bias)), given neg_A = -exp(A_log).
 __device__ __forceinline__ float gate_alpha(float a, float neg_A, float dt_bias) {
-  const float x = a + dt_bias;
-  const float softplus = x > 20.f ? x : log1pf(__expf(x));
-  return __expf(neg_A * softplus);
+  return __expf(neg_A * softplusf_(a + dt_bias));
 }
 
 template <int K, int CT, int RT>

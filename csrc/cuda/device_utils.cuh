@@ -114,6 +114,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 __device__ __forceinline__ float sigmoidf_(float z) { return 1.f / (1.f + __expf(-z)); }
+// softplus(x) = log(1 + e^x), x itself above 20 (as at::softplus)
+__device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(__expf(x)); }
 
 // 2^x by the special-function unit (what __expf(x) computes after scaling x by log2(e)), for exponents kept in
 // base 2

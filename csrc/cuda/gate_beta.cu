@@ -1,7 +1,7 @@
 // Kernels of the in-kernel gate and beta options (gate_beta.h): each element of g and beta once per direction, in
-// fp32 with the accurate expf / log1pf (the same operations, in the same order, as the ATen expressions of
-// csrc/delta_rule.h); the sums over batch and time in a fixed order (per block, then per head over the blocks), so
-// the gradients are bitwise the same from run to run.
+// fp32, the same operations in the same order as the ATen expressions of csrc/delta_rule.h (the exponentials those
+// of the SFU, as the extension compiles with fast math: a few ulps from ATen's); the sums over batch and time in a
+// fixed order (per block, then per head over the blocks), so the gradients are bitwise the same from run to run.
 #include "gate_beta.h"
 
 #include "device_utils.cuh"
@@ -10,19 +10,23 @@ namespace gated_delta {
 namespace cuda {
 namespace {
 
-__device__ __forceinline__ float softplus_acc(float x) { return x > 20.f ? x : log1pf(expf(x)); }
-__device__ __forceinline__ float sigmoid_acc(float x) { return 1.f / (1.f + expf(-x)); }
+// element i's softplus argument g_raw + dt_bias, head h's -exp(A_log)
+__device__ __forceinline__ float gate_arg(const GateBetaParams& p, int64_t i, int h) {
+  const float x = load_as_float(p.g, p.g_dtype, i);
+  return p.dt_bias != nullptr ? x + load_as_float(p.dt_bias, p.dt_dtype, h) : x;
+}
+__device__ __forceinline__ float neg_exp_a(const GateBetaParams& p, int h) {
+  return -__expf(load_as_float(p.A_log, p.A_dtype, h));
+}
 
 __global__ void __launch_bounds__(kGateBetaThreads) gate_beta_fwd_kernel(const GateBetaParams p) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if (p.gate) {
       const int h = static_cast<int>(i % p.HV);
-      float x = load_as_float(p.g, p.g_dtype, i);
-      if (p.dt_bias != nullptr) x += load_as_float(p.dt_bias, p.dt_dtype, h);
-      p.g_out[i] = softplus_acc(x) * -expf(load_as_float(p.A_log, p.A_dtype, h));
+      p.g_out[i] = softplusf_(gate_arg(p, i, h)) * neg_exp_a(p, h);
     }
-    if (p.sigmoid) p.beta_out[i] = sigmoid_acc(load_as_float(p.beta, p.beta_dtype, i)) * p.beta_mul;
+    if (p.sigmoid) p.beta_out[i] = sigmoidf_(load_as_float(p.beta, p.beta_dtype, i)) * p.beta_mul;
   }
 }
 
@@ -35,17 +39,15 @@ __global__ void __launch_bounds__(kGateBetaThreads) gate_beta_bwd_kernel(const G
   for (int j = threadIdx.x; j < cnt; j += blockDim.x) {
     const int64_t i = e0 + j;
     if (p.sigmoid) {
-      const float s = sigmoid_acc(load_as_float(p.beta, p.beta_dtype, i));
+      const float s = sigmoidf_(load_as_float(p.beta, p.beta_dtype, i));
       store_as(p.dbeta_raw, p.beta_dtype, i, load_as_float(p.dbeta, p.dbeta_dtype, i) * s * (1.f - s) * p.beta_mul);
     }
     if (p.gate) {
       const int h = static_cast<int>(i % p.HV);
-      float x = load_as_float(p.g, p.g_dtype, i);
-      if (p.dt_bias != nullptr) x += load_as_float(p.dt_bias, p.dt_dtype, h);
-      const float neg_a = -expf(load_as_float(p.A_log, p.A_dtype, h)), dg = p.dg[i];
-      const float dgx = dg * sigmoid_acc(x) * neg_a;
+      const float x = gate_arg(p, i, h), neg_a = neg_exp_a(p, h), dg = p.dg[i];
+      const float dgx = dg * sigmoidf_(x) * neg_a;
       store_as(p.dg_raw, p.g_dtype, i, dgx);
-      terms[0][j] = dg * (softplus_acc(x) * neg_a);
+      terms[0][j] = dg * (softplusf_(x) * neg_a);
       terms[1][j] = dgx;
     }
   }
