@@ -305,6 +305,28 @@ def test_l2norm_option_chain_rule_placement(K, dtype):
     assert calls == expected, (K, dtype, calls)
 
 
+@pytest.mark.parametrize("algorithm", ["chunk", "scan", "auto"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_full_resets_inside_chunks(dtype, algorithm):
+    """Gates of -40, -1e4 and -2e5 (a full reset) in the middle of chunks, two in one chunk: the kernels form each
+    chunk's cumulative log decay in fp32 and take its differences, which lose an ulp of the running sum, so they read
+    every g as max(g, -32) (e^-32 is below fp32 resolution). fp32 within 1e-4 of float64 (unfloored: about 1e-3 at
+    -1e4 and 1e-2 at -2e5). One sequence of two value heads takes segments under "auto"."""
+    inp = make_inputs(1, 2000, 1, 2, 128, 128, dtype, seed=21)
+    g = inp["g"].clone()
+    for t, val in ((70, -1e4), (100, -40.0), (200, -1e4), (641, -2e5), (1300, -2e5), (1310, -2e5), (1777, -40.0)):
+        g[0, t, t % 2] = val
+    inp["g"] = g
+    d_o, d_ht = output_grads(inp, 1, seed=9)
+    ref = reference(inp, d_o, d_ht)
+    ours = run_ours(inp, d_o, d_ht, algorithm=algorithm)
+    errs = {key: rel_err(ours[key], r) for key, r in ref.items()}
+    print(f"\n{dtype} {algorithm}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    for key, e in errs.items():
+        tol = 1e-4 if dtype == torch.float32 else TOL[dtype][0 if key in ("o", "ht") else 1]
+        assert e <= tol, f"{key}: relative error {e:.3e} > {tol:.1e} ({errs})"
+
+
 @pytest.mark.parametrize("combo", ["beta_sigmoid", "gate_no_dt_bias", "gate_bf16_params", "both_bf16_inputs",
                                    "g_fp64"])
 def test_gate_and_beta_options(combo):

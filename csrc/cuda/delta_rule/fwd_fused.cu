@@ -231,10 +231,12 @@ __global__ void __launch_bounds__(384, 1)
     };
     auto form_gates = [&](int it) {
       float* gt = gates(it);
-      const float incl = warp_incl_scan(a0 + a1);
+      // (floored here, where they are used, so that the loads stay in flight until then)
+      const float f0 = floored_gate(a0), f1 = floored_gate(a1);
+      const float incl = warp_incl_scan(f0 + f1);
       float excl = __shfl_up_sync(0xffffffffu, incl, 1);
       if (lane == 0) excl = 0.f;
-      const float n0 = excl + a0, n1 = n0 + a1;
+      const float n0 = excl + f0, n1 = n0 + f1;
       const float y0 = n0 * kLog2e, y1 = n1 * kLog2e, yl = __shfl_sync(0xffffffffu, y1, 31);
       *reinterpret_cast<float2*>(gt + i0) = make_float2(y0, y1);
       *reinterpret_cast<float2*>(gt + C + i0) = make_float2(exp2_approx(y0), exp2_approx(y1));

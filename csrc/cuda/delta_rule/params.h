@@ -32,6 +32,12 @@ namespace cuda {
 
 constexpr int kChunk = 64;
 constexpr int C = kChunk;  // the kernels' name for it
+// Every token's log decay g is read as max(g, -kGateFloor): e^-32 is below fp32 resolution, so the result is the same
+// to fp32 rounding, and the in-chunk cumulative decay gam stays above -64 kGateFloor, where its fp32 ulp (2.4e-4)
+// bounds the error of e^{gam_i - gam_j} after a reset inside a chunk (an unbounded g = -2e5 costs 1.5e-2 there).
+// Applied where a gate is used, not where it is loaded: the compare would wait for the load there.
+constexpr float kGateFloor = 32.f;
+__host__ __device__ inline float floored_gate(float g) { return g < -kGateFloor ? -kGateFloor : g; }  // (NaN passes)
 
 struct Params {
   // sizes

@@ -155,16 +155,18 @@ __global__ void __launch_bounds__(128, PrepSmem<St, K>::kMinBlocks) prep_kernel(
   for (int hv = hv0; hv < hv0 + p.prep_heads; ++hv) {
     const int64_t chv = static_cast<int64_t>(c) * p.HV + hv;
     if (warp == 0) {
-      const float incl = warp_incl_scan(a0 + a1);
+      // (floored here, where they are used, so that the loads stay in flight until then)
+      const float f0 = floored_gate(a0), f1 = floored_gate(a1);
+      const float incl = warp_incl_scan(f0 + f1);
       float excl = __shfl_up_sync(0xffffffffu, incl, 1);
       if (lane == 0) excl = 0.f;
-      const float y0 = excl + a0;
+      const float y0 = excl + f0;
       gam[i0] = y0;
-      gam[i1] = y0 + a1;
+      gam[i1] = y0 + f1;
       bet[i0] = b0;
       bet[i1] = b1;
       beg[i0] = b0 * __expf(y0);
-      beg[i1] = b1 * __expf(y0 + a1);
+      beg[i1] = b1 * __expf(y0 + f1);
       if (hv + 1 < hv0 + p.prep_heads) fetch_gates(hv + 1);  // in flight during this head's work
     }
     // gates visible; the previous head's products are done with Q (first head) or with V and Tm (later heads)
@@ -360,7 +362,7 @@ __global__ void __launch_bounds__(128) prep_residual_kernel(const Params p) {
   for (int gi = 0; gi < p.G; ++gi) {
     float s = 0.f;
     if (mine) {
-      s = p.g[i0 + gi];
+      s = floored_gate(p.g[i0 + gi]);
       add_log_stretch(s, load_as_float(p.beta, p.beta_dtype, i0 + gi) * kn);
     }
     s = warp_sum(s);

@@ -81,7 +81,7 @@ __device__ __forceinline__ float chunk_lnorm(const Params& p, int c, int h, int 
     const float kn = sq_norm16<St, K / E, 4>(kr);
     const int64_t i = (ci.bos + row) * p.HV + hv;
     const float m = load_as_float(p.beta, p.beta_dtype, i) * kn;
-    s += p.g[i];
+    s += floored_gate(p.g[i]);
     add_log_stretch(s, m);
   }
   return warp_sum(s);
