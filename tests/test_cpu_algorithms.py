@@ -259,6 +259,29 @@ def test_fp32_resets_and_no_decay(algorithm):
     _check_close(ht, rh, LOW_PRECISION_TOL[torch.float32]["fp32"], "final_state")
 
 
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_hard_resets_minus_inf_fp64(chunk_size):
+    """g = -inf (a hard reset: e^g = 0) inside chunks, twice in a row, at a chunk's first and last token: the chunk
+    algorithms read every g as max(g, -40) (e^-40 is below double resolution), so that the differences of the
+    cumulative decay stay finite; the output, the final state and every gradient against the float64 reference
+    (which applies e^g token by token)."""
+    gen = _gen("minus_inf", chunk_size)
+    inputs = make_inputs(gen, 0, lengths=[150, 1, 70], H=2, HV=4, K=16, V=24, beta_max=2.0)
+    g = inputs["g"]
+    for t in (5, 33, 34, 63, 64, 100, 151, 200):
+        g[0, t, t % 4] = -float("inf")
+    g[0, 120, :] = -float("inf")
+    d_o, d_ht = cotangents(gen, inputs)
+    ro, rh, rg = ref_grads(inputs, d_o, d_ht)
+    assert all(torch.isfinite(x).all() for x in (ro, rh, *rg.values()))
+    for algo in ALGORITHMS:
+        o, ht, gg = grads_of(lambda kw: run_ours(kw, algo, chunk_size), inputs, d_o, d_ht)
+        _check_close(o, ro, FP64_TOL, f"{algo} o")
+        _check_close(ht, rh, FP64_TOL, f"{algo} final_state")
+        for name in rg:
+            _check_close(gg[name], rg[name], FP64_TOL, f"{algo} d{name}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # layouts, NaN, determinism, the portable matrix product
 

@@ -2,7 +2,9 @@
 // backward given the gradient of the leaving state, and the chunk's affine maps of the state.
 //
 // Rows i, j = 0..L-1 of a chunk, S the state entering it:
-//   gamma_i = g_0 + ... + g_i (accumulated in double, restarted at every chunk)
+//   gamma_i = g_0 + ... + g_i (accumulated in double, restarted at every chunk), each g read as max(g, -40): e^-40
+//          (4e-18) is below double resolution, so results are the same to rounding, and a hard reset g = -inf,
+//          whose e^{gamma_i - gamma_j} would be e^{-inf + inf}, is the reset it means (NaN passes)
 //   E_ij = e^{gamma_i - gamma_j} for i >= j only (masked entries are set to 0, never computed), so a reset
 //          (g = -1e4) or no decay (g = 0) neither overflows nor produces inf * 0
 //   M = strictly_lower(diag(beta) (K K^T) o E),  Tm = (I + M)^{-1} by forward substitution
@@ -36,9 +38,11 @@ namespace {
 template <typename T>
 void chunk_prepare(const ChunkIn<T>& c, ChunkWork<T>& w, bool need_A) {
   const int64_t L = c.L, K = w.K;
+  constexpr double kGateFloor = 40.0;
   double acc = 0;
   for (int64_t i = 0; i < L; ++i) {
-    acc += static_cast<double>(c.g[i]);
+    const double g = static_cast<double>(c.g[i]);
+    acc += g < -kGateFloor ? -kGateFloor : g;
     w.gam[i] = acc;
   }
   const double gL = w.gam[L - 1];
