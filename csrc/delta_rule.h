@@ -285,6 +285,11 @@ struct GateBetaGrads {
 using GateBetaFwdFn = GateBeta (*)(const DeltaRuleArgs&, at::ScalarType);
 using GateBetaBwdFn = GateBetaGrads (*)(const DeltaRuleArgs&, const at::Tensor&, const at::Tensor&);
 
+// g_raw + dt_bias (g_raw without dt_bias) in cd: softplus's argument, forward and backward
+inline at::Tensor gate_arg(const DeltaRuleArgs& x, at::ScalarType cd) {
+  return x.dt_bias.has_value() ? x.g.to(cd) + x.dt_bias->to(cd) : x.g.to(cd);
+}
+
 inline GateBeta gate_beta_fwd_aten(const DeltaRuleArgs& x, at::ScalarType cd) {
   GateBeta r;
   if (x.use_beta_sigmoid_in_kernel) {
@@ -292,8 +297,7 @@ inline GateBeta gate_beta_fwd_aten(const DeltaRuleArgs& x, at::ScalarType cd) {
     if (x.allow_neg_eigval) r.beta = r.beta * 2.0;
   }
   if (x.use_gate_in_kernel) {
-    const at::Tensor arg = x.dt_bias.has_value() ? x.g.to(cd) + x.dt_bias->to(cd) : x.g.to(cd);
-    r.g = at::softplus(arg).mul_(at::exp(x.A_log->to(cd)).neg_());
+    r.g = at::softplus(gate_arg(x, cd)).mul_(at::exp(x.A_log->to(cd)).neg_());
   }
   return r;
 }
@@ -308,7 +312,7 @@ inline GateBetaGrads gate_beta_bwd_aten(const DeltaRuleArgs& x, const at::Tensor
     r.dbeta = r.dbeta.to(x.beta.scalar_type());
   }
   if (x.use_gate_in_kernel) {
-    const at::Tensor arg = x.dt_bias.has_value() ? x.g.to(cd) + x.dt_bias->to(cd) : x.g.to(cd);
+    const at::Tensor arg = gate_arg(x, cd);
     const at::Tensor neg_a = at::exp(x.A_log->to(cd)).neg();
     const at::Tensor dgx = dg * at::sigmoid(arg) * neg_a;
     r.dA_log = (dg * (at::softplus(arg) * neg_a)).sum(at::IntArrayRef{0, 1}).to(x.A_log->scalar_type());

@@ -44,6 +44,17 @@ def _check_close(ours, ref, tol, what):
     assert err < tol, f"{what}: relative L2 error {err:.3e} >= {tol:.1e}"
 
 
+def _check_algorithms_fp64(inputs, d_o, d_ht, ref, chunk_size):
+    """Every algorithm's output, final state and gradients against the float64 reference's (ref_grads)."""
+    ro, rh, rg = ref
+    for algo in ALGORITHMS:
+        o, ht, gg = grads_of(lambda kw: run_ours(kw, algo, chunk_size), inputs, d_o, d_ht)
+        _check_close(o, ro, FP64_TOL, f"{algo} o")
+        _check_close(ht, rh, FP64_TOL, f"{algo} final_state")
+        for name in rg:
+            _check_close(gg[name], rg[name], FP64_TOL, f"{algo} d{name}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # float64 forward
 
@@ -173,13 +184,7 @@ def test_grads_vs_reference_fp64(options, chunk_size):
     inputs = make_inputs(gen, 0, lengths=lengths, H=2, HV=4, K=16, V=24, options=OPTION_SETS[options],
                          beta_max=2.0)
     d_o, d_ht = cotangents(gen, inputs)
-    ro, rh, rg = ref_grads(inputs, d_o, d_ht)
-    for algo in ALGORITHMS:
-        o, ht, gg = grads_of(lambda kw: run_ours(kw, algo, chunk_size), inputs, d_o, d_ht)
-        _check_close(o, ro, FP64_TOL, f"{algo} o")
-        _check_close(ht, rh, FP64_TOL, f"{algo} final_state")
-        for name in rg:
-            _check_close(gg[name], rg[name], FP64_TOL, f"{algo} d{name}")
+    _check_algorithms_fp64(inputs, d_o, d_ht, ref_grads(inputs, d_o, d_ht), chunk_size)
 
 
 def test_gate_without_dt_bias_fp64():
@@ -191,12 +196,7 @@ def test_gate_without_dt_bias_fp64():
     d_o, d_ht = cotangents(gen, inputs)
     ro, rh, rg = ref_grads(inputs, d_o, d_ht)
     assert set(rg) == {"q", "k", "v", "g", "beta", "initial_state", "A_log"}
-    for algo in ALGORITHMS:
-        o, ht, gg = grads_of(lambda kw: run_ours(kw, algo, 16), inputs, d_o, d_ht)
-        _check_close(o, ro, FP64_TOL, f"{algo} o")
-        _check_close(ht, rh, FP64_TOL, f"{algo} final_state")
-        for name in rg:
-            _check_close(gg[name], rg[name], FP64_TOL, f"{algo} d{name}")
+    _check_algorithms_fp64(inputs, d_o, d_ht, (ro, rh, rg), 16)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -274,12 +274,7 @@ def test_hard_resets_minus_inf_fp64(chunk_size):
     d_o, d_ht = cotangents(gen, inputs)
     ro, rh, rg = ref_grads(inputs, d_o, d_ht)
     assert all(torch.isfinite(x).all() for x in (ro, rh, *rg.values()))
-    for algo in ALGORITHMS:
-        o, ht, gg = grads_of(lambda kw: run_ours(kw, algo, chunk_size), inputs, d_o, d_ht)
-        _check_close(o, ro, FP64_TOL, f"{algo} o")
-        _check_close(ht, rh, FP64_TOL, f"{algo} final_state")
-        for name in rg:
-            _check_close(gg[name], rg[name], FP64_TOL, f"{algo} d{name}")
+    _check_algorithms_fp64(inputs, d_o, d_ht, (ro, rh, rg), chunk_size)
 
 
 # ---------------------------------------------------------------------------------------------------------------
