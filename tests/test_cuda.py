@@ -308,13 +308,14 @@ def test_l2norm_option_chain_rule_placement(K, dtype):
 @pytest.mark.parametrize("algorithm", ["chunk", "scan", "auto"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_full_resets_inside_chunks(dtype, algorithm):
-    """Gates of -40, -1e4 and -2e5 (a full reset) in the middle of chunks, two in one chunk: the kernels form each
+    """Gates of -40, -1e4, -2e5 and -inf (a full reset) in the middle of chunks, two in one chunk: the kernels form each
     chunk's cumulative log decay in fp32 and take its differences, which lose an ulp of the running sum, so they read
     every g as max(g, -32) (e^-32 is below fp32 resolution). fp32 within 1e-4 of float64 (unfloored: about 1e-3 at
     -1e4 and 1e-2 at -2e5). One sequence of two value heads takes segments under "auto"."""
     inp = make_inputs(1, 2000, 1, 2, 128, 128, dtype, seed=21)
     g = inp["g"].clone()
-    for t, val in ((70, -1e4), (100, -40.0), (200, -1e4), (641, -2e5), (1300, -2e5), (1310, -2e5), (1777, -40.0)):
+    for t, val in ((70, -1e4), (100, -40.0), (200, -1e4), (641, -2e5), (1300, -2e5), (1310, -2e5), (1777, -40.0),
+                   (900, -float("inf")), (901, -float("inf")), (1023, -float("inf"))):
         g[0, t, t % 2] = val
     inp["g"] = g
     d_o, d_ht = output_grads(inp, 1, seed=9)
@@ -362,6 +363,40 @@ def test_gate_and_beta_options(combo):
         x = inp.get(key[1:])
         tol = TOL[x.dtype if isinstance(x, torch.Tensor) and x.dtype != torch.float64 else torch.float32][1]
         assert e <= tol, f"{key}: relative error {e:.3e} ({errs})"
+
+
+@pytest.mark.parametrize("option", ["use_beta_sigmoid_in_kernel", "use_gate_in_kernel"])
+def test_one_option_with_the_other_tensor_strided(option):
+    """With one in-kernel option, g or beta (the tensor the option does not read) may come as a strided view, as a
+    heads-first layout transposed: the option's kernels take it as it is and the core reads it; output and every
+    gradient (the view's included) bitwise those of the same call on dense copies."""
+    gen = torch.Generator().manual_seed(7)
+    inp = make_inputs(2, 300, 2, 4, 64, 64, torch.bfloat16, options=True, seed=7)
+    other = "g" if option == "use_beta_sigmoid_in_kernel" else "beta"
+    if option == "use_beta_sigmoid_in_kernel":
+        inp.update(use_gate_in_kernel=False, A_log=None, dt_bias=None, allow_neg_eigval=False)
+        heads_first = F.logsigmoid(torch.randn(2, 4, 300, generator=gen) + 3.0)
+    else:
+        inp.update(use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False)
+        heads_first = torch.sigmoid(torch.randn(2, 4, 300, generator=gen))
+    d_o, d_ht = output_grads(inp, 2, seed=4)
+    outs = []
+    for strided in (True, False):
+        leaf = heads_first.cuda().requires_grad_()
+        x = leaf.transpose(1, 2)  # [B, T, HV], strides (T HV, 1, T)
+        if not strided:
+            x = x.contiguous()
+        assert x.is_contiguous() != strided
+        xs = {n: (t.detach().clone().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point()
+                  else t) for n, t in inp.items() if n != other}
+        from gated_delta import gated_delta_rule
+        o, ht = gated_delta_rule(**xs, **{other: x}, output_final_state=True)
+        loss = (o.float() * d_o.float()).sum() + (ht * d_ht).sum()
+        names = [n for n, t in xs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+        grads = torch.autograd.grad(loss, [xs[n] for n in names] + [leaf])
+        outs.append([o, ht, *grads])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
 
 
 def _qk_layout(x, where):

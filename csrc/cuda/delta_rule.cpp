@@ -981,6 +981,15 @@ bool gate_beta_kernels_apply(const DeltaRuleArgs& x, at::ScalarType cd) {
          (!x.dt_bias.has_value() || ok(*x.dt_bias)) && x.g.size(2) <= cuda::kGateBetaTile;
 }
 
+// g and beta as the kernels read them: each made dense only where its option reads it (the other passes through
+// to the core, which takes it by its own layout rules); only their sizes are read otherwise
+struct GateBetaInputs {
+  at::Tensor g, beta;
+};
+GateBetaInputs gate_beta_inputs(const DeltaRuleArgs& x) {
+  return {x.use_gate_in_kernel ? x.g.contiguous() : x.g, x.use_beta_sigmoid_in_kernel ? x.beta.contiguous() : x.beta};
+}
+
 cuda::GateBetaParams gate_beta_params(const DeltaRuleArgs& x, const at::Tensor& g, const at::Tensor& beta) {
   cuda::GateBetaParams p;
   p.n = g.numel();
@@ -1007,8 +1016,9 @@ cuda::GateBetaParams gate_beta_params(const DeltaRuleArgs& x, const at::Tensor& 
 GateBeta gate_beta_fwd_cuda(const DeltaRuleArgs& x, at::ScalarType cd) {
   if (!gate_beta_kernels_apply(x, cd)) return gate_beta_fwd_aten(x, cd);
   c10::cuda::CUDAGuard guard(x.g.device());
-  const at::Tensor g = x.g.contiguous(), beta = x.beta.contiguous();
-  cuda::GateBetaParams p = gate_beta_params(x, g, beta);
+  const GateBetaInputs in = gate_beta_inputs(x);
+  cuda::GateBetaParams p = gate_beta_params(x, in.g, in.beta);
+  const at::Tensor &g = in.g, &beta = in.beta;
   GateBeta r;
   const auto f32 = g.options().dtype(at::kFloat);
   if (p.gate) r.g = at::empty(g.sizes(), f32);
@@ -1022,8 +1032,11 @@ GateBeta gate_beta_fwd_cuda(const DeltaRuleArgs& x, at::ScalarType cd) {
 GateBetaGrads gate_beta_bwd_cuda(const DeltaRuleArgs& x, const at::Tensor& dg, const at::Tensor& dbeta) {
   if (!gate_beta_kernels_apply(x, dg.scalar_type())) return gate_beta_bwd_aten(x, dg, dbeta);
   c10::cuda::CUDAGuard guard(x.g.device());
-  const at::Tensor g = x.g.contiguous(), beta = x.beta.contiguous();
-  const at::Tensor dgc = dg.contiguous(), dbc = dbeta.contiguous();
+  const GateBetaInputs in = gate_beta_inputs(x);
+  const at::Tensor &g = in.g, &beta = in.beta;
+  // (each gradient is read only by its option's kernel work)
+  const at::Tensor dgc = x.use_gate_in_kernel ? dg.contiguous() : dg;
+  const at::Tensor dbc = x.use_beta_sigmoid_in_kernel ? dbeta.contiguous() : dbeta;
   cuda::GateBetaParams p = gate_beta_params(x, g, beta);
   GateBetaGrads r;
   at::Tensor partial;
