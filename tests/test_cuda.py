@@ -370,6 +370,8 @@ def test_one_option_with_the_other_tensor_strided(option):
     """With one in-kernel option, g or beta (the tensor the option does not read) may come as a strided view, as a
     heads-first layout transposed: the option's kernels take it as it is and the core reads it; output and every
     gradient (the view's included) bitwise those of the same call on dense copies."""
+    from gated_delta import gated_delta_rule
+
     gen = torch.Generator().manual_seed(7)
     inp = make_inputs(2, 300, 2, 4, 64, 64, torch.bfloat16, options=True, seed=7)
     other = "g" if option == "use_beta_sigmoid_in_kernel" else "beta"
@@ -389,7 +391,6 @@ def test_one_option_with_the_other_tensor_strided(option):
         assert x.is_contiguous() != strided
         xs = {n: (t.detach().clone().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point()
                   else t) for n, t in inp.items() if n != other}
-        from gated_delta import gated_delta_rule
         o, ht = gated_delta_rule(**xs, **{other: x}, output_final_state=True)
         loss = (o.float() * d_o.float()).sum() + (ht * d_ht).sum()
         names = [n for n, t in xs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
