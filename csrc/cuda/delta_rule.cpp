@@ -981,13 +981,14 @@ bool gate_beta_kernels_apply(const DeltaRuleArgs& x, at::ScalarType cd) {
          (!x.dt_bias.has_value() || ok(*x.dt_bias)) && x.g.size(2) <= cuda::kGateBetaTile;
 }
 
-// g and beta as the kernels read them: each made dense only where its option reads it (the other passes through
-// to the core, which takes it by its own layout rules); only their sizes are read otherwise
-struct GateBetaInputs {
+// A (g, beta) pair (the inputs, or their gradients) as the kernels read it: each made dense only where its option
+// reads it (an input the option does not read passes through to the core, which takes it by its own layout rules);
+// only its sizes are read otherwise
+struct GateBetaPair {
   at::Tensor g, beta;
 };
-GateBetaInputs gate_beta_inputs(const DeltaRuleArgs& x) {
-  return {x.use_gate_in_kernel ? x.g.contiguous() : x.g, x.use_beta_sigmoid_in_kernel ? x.beta.contiguous() : x.beta};
+GateBetaPair dense_where_read(const DeltaRuleArgs& x, const at::Tensor& g, const at::Tensor& beta) {
+  return {x.use_gate_in_kernel ? g.contiguous() : g, x.use_beta_sigmoid_in_kernel ? beta.contiguous() : beta};
 }
 
 cuda::GateBetaParams gate_beta_params(const DeltaRuleArgs& x, const at::Tensor& g, const at::Tensor& beta) {
@@ -1016,9 +1017,8 @@ cuda::GateBetaParams gate_beta_params(const DeltaRuleArgs& x, const at::Tensor& 
 GateBeta gate_beta_fwd_cuda(const DeltaRuleArgs& x, at::ScalarType cd) {
   if (!gate_beta_kernels_apply(x, cd)) return gate_beta_fwd_aten(x, cd);
   c10::cuda::CUDAGuard guard(x.g.device());
-  const GateBetaInputs in = gate_beta_inputs(x);
-  cuda::GateBetaParams p = gate_beta_params(x, in.g, in.beta);
-  const at::Tensor &g = in.g, &beta = in.beta;
+  const auto [g, beta] = dense_where_read(x, x.g, x.beta);
+  cuda::GateBetaParams p = gate_beta_params(x, g, beta);
   GateBeta r;
   const auto f32 = g.options().dtype(at::kFloat);
   if (p.gate) r.g = at::empty(g.sizes(), f32);
@@ -1032,11 +1032,8 @@ GateBeta gate_beta_fwd_cuda(const DeltaRuleArgs& x, at::ScalarType cd) {
 GateBetaGrads gate_beta_bwd_cuda(const DeltaRuleArgs& x, const at::Tensor& dg, const at::Tensor& dbeta) {
   if (!gate_beta_kernels_apply(x, dg.scalar_type())) return gate_beta_bwd_aten(x, dg, dbeta);
   c10::cuda::CUDAGuard guard(x.g.device());
-  const GateBetaInputs in = gate_beta_inputs(x);
-  const at::Tensor &g = in.g, &beta = in.beta;
-  // (each gradient is read only by its option's kernel work)
-  const at::Tensor dgc = x.use_gate_in_kernel ? dg.contiguous() : dg;
-  const at::Tensor dbc = x.use_beta_sigmoid_in_kernel ? dbeta.contiguous() : dbeta;
+  const auto [g, beta] = dense_where_read(x, x.g, x.beta);
+  const auto [dgc, dbc] = dense_where_read(x, dg, dbeta);
   cuda::GateBetaParams p = gate_beta_params(x, g, beta);
   GateBetaGrads r;
   at::Tensor partial;
