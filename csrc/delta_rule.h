@@ -218,9 +218,9 @@ struct CoreArgs {
   bool dbeta_in_beta_dtype = false;
   // Backward: the residual a backend's forward kept for it (CoreForward::residual), or undefined.
   at::Tensor residual;
-  // Backward with use_qk_l2norm_in_kernel: the caller's k (q and k above are normalised), with which a backend may
-  // apply the L2 norm's chain rule to dk itself (CoreGrads::dk_l2norm); undefined otherwise.
-  at::Tensor l2norm_k;
+  // Backward with use_qk_l2norm_in_kernel: the caller's k and q (q and k above are normalised), with which a backend
+  // may apply the L2 norm's chain rule to dk and dq itself (CoreGrads::dk_l2norm, dq_l2norm); undefined otherwise.
+  at::Tensor l2norm_k, l2norm_q;
 
   int64_t batch() const { return q.size(0); }
   int64_t seqlen() const { return q.size(1); }
@@ -255,8 +255,9 @@ struct CoreGrads {
   at::Tensor dg, dbeta;    // [B, T, HV], state dtype (dbeta: or beta's dtype, with args.dbeta_in_beta_dtype)
   at::Tensor d_initial_state;  // [N, HV, K, V] state dtype; undefined when args.initial_state is undefined
   at::Tensor dgk, dgv;     // [B, T, HV, K] / [B, T, HV, V] state dtype; undefined when args.gk / args.gv are
-  // dk is the gradient of args.l2norm_k (the chain rule of the L2 norm applied), in the dtype of q or the state
-  bool dk_l2norm = false;
+  // dk (dq) is the gradient of args.l2norm_k (l2norm_q): the chain rule of the L2 norm applied, in the dtype of q or
+  // the state
+  bool dk_l2norm = false, dq_l2norm = false;
 };
 
 
@@ -386,7 +387,10 @@ inline CoreArgs preprocess(const DeltaRuleArgs& x, GateBetaFwdFn gate_beta) {
   a.scale = x.scale;
   a.chunk_size = x.chunk_size;
   a.grads_in_input_dtype = !x.use_qk_l2norm_in_kernel;  // the L2-norm chain rule wants dq, dk unrounded
-  if (x.use_qk_l2norm_in_kernel) a.l2norm_k = x.k;      // (the backward's: its core may apply dk's chain rule)
+  if (x.use_qk_l2norm_in_kernel) {  // (the backward's: its core may apply the chain rule of dk and dq)
+    a.l2norm_k = x.k;
+    a.l2norm_q = x.q;
+  }
   a.dbeta_in_beta_dtype = !x.use_beta_sigmoid_in_kernel;   // and the sigmoid's dbeta unrounded
   return a;
 }
@@ -461,7 +465,7 @@ BwdResult bwd_impl(const at::Tensor& d_o, const OptTensor& d_final_state, const 
   // Chain rule through the in-kernel pre-processing.
   at::Tensor dq = gr.dq, dk = gr.dk;
   if (x.use_qk_l2norm_in_kernel) {  // (from the core's unrounded dq, dk)
-    dq = call_l2norm_bwd(dq, x.q, kL2NormEps, x.q.scalar_type());
+    if (!gr.dq_l2norm) dq = call_l2norm_bwd(dq, x.q, kL2NormEps, x.q.scalar_type());
     if (!gr.dk_l2norm) dk = call_l2norm_bwd(dk, x.k, kL2NormEps, x.k.scalar_type());
   }
   at::Tensor dbeta = gr.dbeta, dg = gr.dg, dA_log, ddt_bias;

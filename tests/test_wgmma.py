@@ -1,6 +1,7 @@
 """The warpgroup (wgmma) product wrappers of the CUDA kernels, checked on their own: tests/cuda/wgmma_check.cu is
 compiled with nvcc for sm_90a and run; it compares 64 x 64 and 64 x 128 products (B K-major and N-major, read from
-the 128-byte swizzled shared-memory layout) with the host's, exactly. Needs a Hopper GPU and nvcc."""
+the 128-byte swizzled shared-memory layout; A from registers, or K- or M-major from that layout too, also negated)
+with the host's, exactly. Needs a Hopper GPU and nvcc."""
 import os
 import subprocess
 

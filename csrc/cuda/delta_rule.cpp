@@ -607,7 +607,7 @@ CoreArgs padded_args(const CoreArgs& a) {
   p.k = pad_last(a.k, Kp);
   p.v = pad_last(a.v, Vp);
   p.initial_state = resize_state(a.initial_state, a.state_v_first, Kp, Vp);
-  p.l2norm_k = at::Tensor();  // (dk's chain rule after the cut, in the op layer)
+  p.l2norm_k = p.l2norm_q = at::Tensor();  // (the chain rule of dk and dq after the cut, in the op layer)
   return p;
 }
 
@@ -662,7 +662,7 @@ CoreArgs v_slice_args(const CoreArgs& a, const VSlices& s, int64_t i) {
   r.v = slice_cols(a.v, 3, s, i);
   r.gv = slice_cols(a.gv, 3, s, i);
   r.initial_state = slice_cols(a.initial_state, state_v_dim(a), s, i);
-  r.l2norm_k = at::Tensor();  // (dk's chain rule after the slices' sum, in the op layer)
+  r.l2norm_k = r.l2norm_q = at::Tensor();  // (the chain rule of dk and dq after the slices' sum, in the op layer)
   return r;
 }
 
@@ -879,7 +879,8 @@ CoreGrads backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tens
   p.tok_do = dO.s.tok;
   // dq, dk, dv in the input dtype when the op layer allows it; dk's partial sums stay fp32 in dk1. With
   // use_qk_l2norm_in_kernel and K <= 128 grad_wy, which holds a CTA's rows of dk in registers, applies the L2
-  // norm's chain rule to them and stores dk in the input dtype.
+  // norm's chain rule to them and stores dk in the input dtype; so does grad_qk with dq where it holds its rows
+  // whole (grad_qk_whole_rows; the caller's q is then in the input dtype, as 16-bit inputs are not promoted).
   p.grad_f32 = (a.grads_in_input_dtype && a.q.scalar_type() != at::kFloat) ? 0 : 1;
   Rows k_raw;
   if (a.l2norm_k.defined() && p.K <= 128) {
@@ -889,6 +890,15 @@ CoreGrads backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tens
     p.k_raw_dtype = cuda::dtype_of(k_raw.t.scalar_type(), "k");
     p.ld_kr = k_raw.s.ld;
     p.tok_kr = k_raw.s.tok;
+    p.l2norm_eps = static_cast<float>(kL2NormEps);
+  }
+  Rows q_raw;
+  if (a.l2norm_q.defined() && cuda::grad_qk_whole_rows(c.dt, p.K) && a.l2norm_q.scalar_type() == a.q.scalar_type()) {
+    q_raw = rows_of(a.l2norm_q);
+    p.dq_l2norm = 1;
+    p.q_raw = q_raw.t.data_ptr();
+    p.ld_qr = q_raw.s.ld;
+    p.tok_qr = q_raw.s.tok;
     p.l2norm_eps = static_cast<float>(kL2NormEps);
   }
   const bool dk_f32 = p.grad_f32 && !p.dk_l2norm;
@@ -935,7 +945,8 @@ CoreGrads backward_cuda(const CoreArgs& a, const at::Tensor& d_o, const at::Tens
   // reads hT and Vn^T for the last time; the gradients only grad_wy writes are allocated after states' release
   p.dgam1 = ws.ptr<float>(r.dgam1);
   CoreGrads gr;
-  gr.dq = at::empty(c.in.q.sizes(), p.grad_f32 ? c.fopts : c.opts);
+  gr.dq = at::empty(c.in.q.sizes(), p.grad_f32 && !p.dq_l2norm ? c.fopts : c.opts);
+  gr.dq_l2norm = p.dq_l2norm != 0;
   if (dk_f32) gr.dk = at::empty(c.in.k.sizes(), c.fopts);
   p.dq = gr.dq.data_ptr();
   p.dk1 = dk_f32 ? gr.dk.data_ptr<float>() : ws.ptr<float>(r.dk1);

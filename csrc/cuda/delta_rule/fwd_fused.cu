@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
           for (int s = 0; s < K / 16; ++s) {
             const uint64_t dk = dkq + (((s >> 2) * (128 * 128) + (s & 3) * 32) >> 4);
-            wgmma_ss<St>(x, qk ? dk + ((64 * 128) >> 4) : dk, dk, s > 0);
+            wgmma_ss_t<St, 0, 0, 8>(x, qk ? dk + ((64 * 128) >> 4) : dk, dk, s > 0);
           }
           wg_commit();
         };

@@ -270,16 +270,7 @@ __global__ void __launch_bounds__(256) grad_qk_kernel(const Params p) {
         rowK[chf * 64 + i] = rK[hr];
       }
     }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e1 = 0; e1 < 2; ++e1) {
-        float x = cB[nt][e1];
-        x += __shfl_xor_sync(0xffffffffu, x, 4);
-        x += __shfl_xor_sync(0xffffffffu, x, 8);
-        x += __shfl_xor_sync(0xffffffffu, x, 16);
-        if (g8 == 0) colB[rg * 64 + 32 * chf + 8 * nt + 2 * q + e1] = x;
-      }
+    store_col_sums(cB, colB + rg * 64 + 32 * chf, g8, q);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sdot += __shfl_xor_sync(0xffffffffu, sdot, o);
     if (lane == 0) sdots[warp] = sdot;
@@ -502,21 +493,8 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
     // done with: the barrier above)
     if (s + STAGES - 1 < total) issue_next();
     cp_async_commit();  // (an empty group past the last step keeps the count)
-    // sum(hT o dhT) meanwhile: the two sw128 tiles share one layout, so equal byte offsets hold equal positions
-    {
-      const uint4* x = reinterpret_cast<const uint4*>(hTs) + 2 * tid;
-      const uint4* y = reinterpret_cast<const uint4*>(dhTs) + 2 * tid;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const uint4 xv = x[j], yv = y[j];
-        const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w}, ys[4] = {yv.x, yv.y, yv.z, yv.w};
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const float2 a = unpack2<St>(xs[t]), bb = unpack2<St>(ys[t]);
-          sdot += a.x * bb.x + a.y * bb.y;
-        }
-      }
-    }
+    // sum(hT o dhT) meanwhile (the two sw128 tiles share one layout), 32 bytes of each per thread
+    sdot = dot_chunks<St, 2>(hTs, dhTs, 2 * tid, sdot);
     wg_wait<0>();
     wg_fence_acc(acc0);
     wg_fence_acc(acc1);
@@ -561,22 +539,10 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
       store_frag_rows<St, 8>(dAEs + 16 * rg * LDC, LDC, acc0, g8, q);
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
-        rA[hr] += __shfl_xor_sync(0xffffffffu, rA[hr], 1);
-        rA[hr] += __shfl_xor_sync(0xffffffffu, rA[hr], 2);
+        rA[hr] = quad_sum(rA[hr]);
         if (q == 0) rowA[16 * rg + g8 + 8 * hr] = rA[hr];
       }
-      if (w.kb == 0) {
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int e1 = 0; e1 < 2; ++e1) {
-            float x = cB[nt][e1];
-            x += __shfl_xor_sync(0xffffffffu, x, 4);
-            x += __shfl_xor_sync(0xffffffffu, x, 8);
-            x += __shfl_xor_sync(0xffffffffu, x, 16);
-            if (g8 == 0) colB[rg * 64 + 8 * nt + 2 * q + e1] = x;
-          }
-      }
+      if (w.kb == 0) store_col_sums(cB, colB + rg * 64, g8, q);
     } else {
       float rK[2] = {0.f, 0.f};
 #pragma unroll
@@ -652,22 +618,439 @@ __global__ void __launch_bounds__(256, 1) grad_qk_wg_kernel(const Params p) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// 16-bit inputs with K = 128: one work item per (chunk, q/k head) holding both 64-column blocks of K, in a CTA of
+// three warpgroups with roles of their own (register budgets by setmaxnreg), walked by persistent CTAs (at most one
+// per SM) as one pipeline of (item, value head, V tile) steps, two stages of tiles:
+//   warpgroup 0: dA = dO Vn^T and dW = -dVn S^T (64 x 128: all of K), accumulated over the head's V tiles; at the
+//     head's end dA's terms (dA o E into shared memory for the other two, the A part of gam's gradient) and dW's
+//     store into dhT's tile (params.h). It also copies each item's q and k and each head's A and gam.
+//   warpgroups 1 and 2, block kb = wg - 1 of K: dO S_kb^T and Vn dS'_kb^T; at the head's end the q and k terms,
+//     then dQ_kb += (dA o E) K_kb and dK1_kb += (dA o E)^T Q_kb, and the block's partial gradient of gam; at the
+//     item's end the stores of dq and dk1. They copy every step's tiles (dO, Vn^T, dVn^T, hT, dhT).
+// Every product takes both operands from shared memory (sw128 tiles, wgmma_ss_t): no warpgroup loads fragments. dA
+// and its terms are formed once per (chunk, value head) and dO, Vn^T, dVn^T and A are read once, where one CTA per
+// block of K formed and read them once per block. The results are those of grad_qk_wg_kernel (dq, dk1, dW, the same
+// products in the same order), except the partial gradients of gam, whose row sums are added in another order.
+template <class St>
+struct QkWg3Cfg {
+  static constexpr int NT = 384;
+  static constexpr int NA = 2, NQK = 2;  // slots of a head's A and gam, of an item's q and k (one step ahead)
+  static constexpr int ST = C * 128;     // bytes of a sw128 64 x 64 tile
+  // a stage: hT and dhT (two 64-column blocks each: all of K), Vn^T, dVn^T, dO; all sw128, on 1024-byte boundaries
+  static constexpr int HT = 0, DHT = 2 * ST, VN = 4 * ST, DVN = 5 * ST, DO = 6 * ST, STAGE_BYTES = 7 * ST;
+  static constexpr int QK_OFF = 2 * STAGE_BYTES;        // [NQK] (q: two blocks, k: two blocks)
+  static constexpr int A_OFF = QK_OFF + NQK * 4 * ST;   // [NA] A tiles
+  static constexpr int DAE_OFF = A_OFF + NA * ST;       // dA o E
+  static constexpr int QR_OFF = DAE_OFF + ST;           // the caller's q rows (Params::dq_l2norm): two blocks
+  static constexpr int F_OFF = QR_OFF + 2 * ST;         // floats, below
+  // gam slots [NA][64], rowA [64], colB [4][64] (warpgroup 0); rowQ, rowK [2][64], sdot [2][4], and the L2 norm's
+  // row sums rowN [2][64][2] (warpgroups 1, 2)
+  static constexpr int NF = NA * 64 + 64 + 256 + 2 * 64 + 2 * 64 + 8 + 256;
+  static constexpr size_t bytes = F_OFF + sizeof(float) * NF + 1024;
+  static_assert(bytes <= 227 * 1024, "shared memory of one CTA");
+};
+// named barriers (0 is __syncthreads): a step's tiles are in (every thread); dA o E and warpgroup 0's sums are in
+// (warpgroup 0 arrives, 1 and 2 wait); warpgroup 1's and 2's own
+// (3 and 4), and the two together (dq's L2 norm: its rows' sums over both blocks of K)
+constexpr int kQkBarStep = 1, kQkBarDae = 2, kQkBarOwn = 3, kQkBarPair = 5;
+// Registers per thread (168 per thread for 384 threads at launch: 152 + 2 x 176 = 3 x 168). Warpgroup 0 holds dA
+// (32) and dW (64); warpgroups 1 and 2 the two step accumulators and dQ_kb, dK1_kb (4 x 32) and the copies' sources.
+constexpr int kQkRegs0 = 152, kQkRegs12 = 176;
+static_assert(kQkRegs0 + 2 * kQkRegs12 == 3 * 168, "the CTA's registers");
+
+__host__ __device__ inline int qk3_items(const Params& p) { return p.NC * p.H; }
+// work item it of grad_qk_wg3_kernel: chunk it % NC of q/k head it / NC (chv0: c HV + the group's first value head)
+struct Qk3Item {
+  int c, h;
+  ChunkInfo ci;
+  int64_t chv0;
+};
+__device__ __forceinline__ Qk3Item qk3_item(const Params& p, int it) {
+  Qk3Item r;
+  r.c = it % p.NC;
+  r.h = it / p.NC;
+  r.ci = chunk_info(p, r.c);
+  r.chv0 = static_cast<int64_t>(r.c) * p.HV + static_cast<int64_t>(r.h) * p.G;
+  return r;
+}
+// a step opens once its tiles are in: this thread's copies done and visible to wgmma, then every thread's
+__device__ __forceinline__ void qk3_open_step() {
+  cp_async_wait<0>();
+  fence_async_smem();
+  bar_sync(kQkBarStep, 384);
+}
+
+template <class St>
+__global__ void __launch_bounds__(384, 1) grad_qk_wg3_kernel(const Params p) {
+  using F = QkWg3Cfg<St>;
+  constexpr int ST = F::ST, NA = F::NA, NQK = F::NQK, K = 128;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  float* gslots = reinterpret_cast<float*>(smem + F::F_OFF);  // [NA][64]
+  float* rowA = gslots + NA * 64;                              // [64]
+  float* colB = rowA + 64;                                     // [4][64]
+  float* rowQ = colB + 256;                                    // [2][64]
+  float* rowK = rowQ + 128;                                    // [2][64]
+  float* sdots = rowK + 128;                                   // [2][4]
+  float* rowN = sdots + 8;                                     // [2][64][2]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, q = lane & 3;
+  const int wg = warp >> 2, rg = warp & 3, lt = tid & 127;
+  const int V = p.V, G = p.G, NC = p.NC;
+  const int64_t HK = static_cast<int64_t>(p.H) * K;
+  const int nvt = V / 64;
+  const int step = static_cast<int>(gridDim.x);
+  const int nitems = (qk3_items(p) - 1 - static_cast<int>(blockIdx.x)) / step + 1;
+  const int total = nitems * G * nvt;
+  // A walk over the CTA's steps: item it (its local index n), value head gi, V tile vt, head count hc. Step s's tiles
+  // are in stage s % 2.
+  struct Walk {
+    int it, n, gi, vt, hc;
+  };
+  auto advance = [&](Walk& w) {
+    if (++w.vt == nvt) {
+      w.vt = 0;
+      ++w.hc;
+      if (++w.gi == G) w.gi = 0, w.it += step, ++w.n;
+    }
+  };
+  Walk iw{static_cast<int>(blockIdx.x), 0, 0, 0, 0};  // the step whose copies are issued next
+  Walk cw = iw;                                          // the step computed next
+  const uint32_t sbase = smem_u32(smem);
+
+  if (wg == 0) {
+    // ---------------- dA, dW and dA's terms ----------------
+    setmaxnreg_dec<kQkRegs0>();
+    // copies: an item's q and k (rows past the chunk zero-filled), a head's A and gam
+    auto issue = [&]() {
+      if (iw.vt == 0) {
+        const Qk3Item x = qk3_item(p, iw.it);
+        if (iw.gi == 0) {
+          unsigned char* qk = smem + F::QK_OFF + (iw.n % NQK) * 4 * ST;
+          const int64_t qoff = x.ci.bos * HK + x.h * K;
+          load_tile_sw128<St, C, K, C, 128>(qk, 0, static_cast<const St*>(p.q) + qoff, HK, x.ci.len, lt);
+          load_tile_sw128<St, C, K, C, 128>(qk + 2 * ST, 0, static_cast<const St*>(p.k) + qoff, HK, x.ci.len, lt);
+        }
+        const int64_t chv = x.chv0 + iw.gi;
+        const int slot = iw.hc % NA;
+        load_tile_sw128<St, C, C, C, 128, false>(smem + F::A_OFF + slot * ST, 0,
+                                                 static_cast<const St*>(p.A) + chv * C * C, C, C, lt);
+        if (lt < 16) cp_async16(gslots + slot * 64 + 4 * lt, p.gam + chv * C + 4 * lt, true);
+      }
+      advance(iw);
+    };
+    issue();
+    cp_async_commit();
+
+    float dA[8][4], dW[16][4];
+    int64_t chv0 = qk3_item(p, cw.it).chv0;
+#pragma unroll 1
+    for (int s = 0; s < total; ++s) {
+      const Walk w = cw;
+      advance(cw);
+      qk3_open_step();
+      const unsigned char* b = smem + (s & 1) * F::STAGE_BYTES;
+      // dA += dO Vn^T (dO K-major, Vn^T N-major); dW -= dVn S^T (dVn^T's tile M-major, hT N-major, N = 128)
+      {
+        const uint64_t ddo = sw128_desc(b + F::DO, 16), dvn = sw128_desc(b + F::VN, ST);  // (K-major: no LBO)
+        const uint64_t ddvn = sw128_desc(b + F::DVN, ST), dht = sw128_desc(b + F::HT, ST);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_ss_t<St, 0, 1, 8>(dA, ddo + 2 * kk, dvn + 128 * kk, w.vt > 0 || kk > 0);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_ss_t<St, 1, 1, 16, true>(dW, ddvn + 128 * kk, dht + 128 * kk, w.vt > 0 || kk > 0);
+        wg_commit();
+      }
+      if (s + 1 < total) issue();
+      cp_async_commit();  // (an empty group past the last step keeps the count)
+      wg_wait<0>();
+      wg_fence_acc(dA);
+      wg_fence_acc(dW);
+      if (w.vt + 1 < nvt) continue;
+
+      // the head's last V tile is in: dW into dhT's tile (params.h) first, so that its registers are free for dA's
+      // terms (element [nt][e] at row i = 16 rg + g8 + 8 (e >> 1), column j = 8 nt + 2q + (e & 1))
+      store_frag_rows<St, 16>(static_cast<St*>(p.dhT) + ((chv0 + w.gi) * V + 16 * rg) * K, K, dW, g8, q);
+      const float* gam = gslots + (w.hc % NA) * 64;
+      const unsigned char* As = smem + F::A_OFF + (w.hc % NA) * ST;
+      unsigned char* dAEs = smem + F::DAE_OFF;
+      // Addresses from few registers: row i = i0 + 8 hr; the pair (j, j + 1), j = 8 nt + 2q, sits at byte
+      // (pb ^ (nt << 4)) + 1024 hr of a sw128 tile (its chunk nt ^ (i & 7), i & 7 = g8), and i >= j + e1 is
+      // i - 2q >= 8 nt + e1, a compare with a constant
+      const int i0 = 16 * rg + g8, d0 = i0 - 2 * q;
+      const int pb = i0 * 128 + (g8 << 4) + 4 * q;
+      const float* gq = gam + 2 * q;
+      const float gi[2] = {gam[i0], gam[i0 + 8]};
+      float rA[2] = {0.f, 0.f}, cB[8][2];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        cB[nt][0] = cB[nt][1] = 0.f;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int off = (pb ^ (nt << 4)) + 1024 * hr;
+          const float2 av = sw128_get2<St>(As, off);
+          float x[2];
+#pragma unroll
+          for (int e1 = 0; e1 < 2; ++e1) {
+            const int e = 2 * hr + e1;
+            const bool low = d0 + 8 * hr >= 8 * nt + e1;
+            const float dav = low ? p.scale * dA[nt][e] : 0.f;
+            const float E = low ? __expf(gi[hr] - gq[8 * nt + e1]) : 0.f;
+            const float t = dav * (e1 ? av.y : av.x);
+            rA[hr] += t;
+            cB[nt][e1] += t;
+            x[e1] = dav * E;  // dA o E
+          }
+          uint32_t pk;
+          Pack<St>::put(&pk, &pk, 0, x[0], x[1]);
+          *reinterpret_cast<uint32_t*>(dAEs + off) = pk;
+        }
+      }
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        rA[hr] = quad_sum(rA[hr]);
+        if (q == 0) rowA[16 * rg + g8 + 8 * hr] = rA[hr];
+      }
+      store_col_sums(cB, colB + rg * 64, g8, q);
+      fence_async_smem();  // dA o E is read by wgmma
+      bar_arrive(kQkBarDae, 384);
+      if (w.gi + 1 == G && w.n + 1 < nitems) chv0 = qk3_item(p, cw.it).chv0;
+    }
+    return;
+  }
+
+  // ---------------- warpgroups 1 and 2: block kb of K ----------------
+  setmaxnreg_inc<kQkRegs12>();
+  const int kb = wg - 1;
+  // copies of a step's tiles: thread t = tid - 128 copies rows r0 and r0 + 32 (r0 = t / 8) of the 16-byte column cv =
+  // t % 8 of each 64 x 64 tile (hT and dhT: two each), so its shared offsets are the same in every tile and its
+  // sources are set at an item's first step and advance by constants (a step's tiles follow the previous step's a
+  // V tile further, across the heads of the group). dO's rows past the chunk are zero-filled.
+  const int t = tid - 128, r0 = t >> 3, cv = t & 7;
+  const uint32_t s_sw = sbase + r0 * 128 + ((cv ^ (r0 & 7)) << 4);  // (row r0 + 32: 4096 bytes on, same swizzle)
+  const St *vn = nullptr, *dvn = nullptr, *ht = nullptr, *dht = nullptr, *dO = nullptr;  // (dO: its row r0)
+  int do_len = 0;  // the item's chunk length: dO's rows r0 and r0 + 32 are copied below it
+  auto issue = [&](int stage) {
+    if (iw.gi == 0 && iw.vt == 0) {
+      const Qk3Item x = qk3_item(p, iw.it);
+      vn = static_cast<const St*>(p.VnT) + x.chv0 * V * C + 8 * t;  // (row r0 of C: r0 C + 8 cv = 8 t)
+      dvn = static_cast<const St*>(p.dVnT) + x.chv0 * V * C + 8 * t;
+      ht = static_cast<const St*>(p.hT) + x.chv0 * V * K + r0 * K + 8 * cv;
+      dht = static_cast<const St*>(p.dhT) + x.chv0 * V * K + r0 * K + 8 * cv;
+      do_len = x.ci.len;
+      dO = static_cast<const St*>(p.d_o) + (x.ci.bos + r0) * p.tok_do + static_cast<int64_t>(x.h) * G * p.ld_do + 8 * cv;
+    }
+    const uint32_t sw = s_sw + stage * F::STAGE_BYTES;
+#pragma unroll
+    for (int bk = 0; bk < 2; ++bk) {
+      cp_async16(sw + F::HT + bk * ST, ht + 64 * bk, true);
+      cp_async16(sw + F::HT + bk * ST + 4096, ht + 32 * K + 64 * bk, true);
+      cp_async16(sw + F::DHT + bk * ST, dht + 64 * bk, true);
+      cp_async16(sw + F::DHT + bk * ST + 4096, dht + 32 * K + 64 * bk, true);
+    }
+    cp_async16(sw + F::VN, vn, true);
+    cp_async16(sw + F::VN + 4096, vn + 32 * C, true);
+    cp_async16(sw + F::DVN, dvn, true);
+    cp_async16(sw + F::DVN + 4096, dvn + 32 * C, true);
+    {  // (a row past the chunk is zero-filled, its source address then a valid one: row r0's, or dO's first)
+      const bool ok0 = r0 < do_len, ok1 = r0 + 32 < do_len;
+      cp_async16(sw + F::DO, ok0 ? dO : static_cast<const St*>(p.d_o), ok0);
+      cp_async16(sw + F::DO + 4096, ok1 ? dO + 32 * p.tok_do : dO, ok1);
+    }
+    vn += 64 * C;
+    dvn += 64 * C;
+    ht += 64 * K;
+    dht += 64 * K;
+    dO += 64;
+    if (iw.vt + 1 == nvt) dO += p.ld_do - V;  // the next value head's row (from this one's end)
+    advance(iw);
+  };
+  issue(0);
+  cp_async_commit();
+
+  float a1[8][4], a2[8][4], rq[8][4], rk[8][4];  // dO S_kb^T, Vn dS'_kb^T; dQ_kb, dK1_kb
+  zero_acc(rq);
+  zero_acc(rk);
+  float sdot = 0.f;
+  Qk3Item cur = qk3_item(p, cw.it);  // the item computed
+#pragma unroll 1
+  for (int s = 0; s < total; ++s) {
+    const Walk w = cw;
+    advance(cw);
+    qk3_open_step();
+    if (w.vt == 0) sdot = 0.f;
+    const unsigned char* b = smem + (s & 1) * F::STAGE_BYTES;
+    const unsigned char* hTs = b + F::HT + kb * ST;
+    const unsigned char* dhTs = b + F::DHT + kb * ST;
+    // a1 += dO S_kb^T (dO K-major, hT's block N-major); a2 += Vn dS'_kb^T (Vn^T's tile M-major, dhT's block N-major)
+    {
+      const uint64_t ddo = sw128_desc(b + F::DO, 16), dh = sw128_desc(hTs, ST);
+      const uint64_t dvn = sw128_desc(b + F::VN, ST), ddh = sw128_desc(dhTs, ST);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_ss_t<St, 0, 1, 8>(a1, ddo + 2 * kk, dh + 128 * kk, w.vt > 0 || kk > 0);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_ss_t<St, 1, 1, 8>(a2, dvn + 128 * kk, ddh + 128 * kk, w.vt > 0 || kk > 0);
+      wg_commit();
+    }
+    if (s + 1 < total) issue((s + 1) & 1);
+    cp_async_commit();
+    // sum(hT o dhT) over the block meanwhile (the two sw128 tiles share one layout), 64 bytes of each per thread
+    sdot = dot_chunks<St, 4>(hTs, dhTs, 4 * lt, sdot);
+    wg_wait<0>();
+    wg_fence_acc(a1);
+    wg_fence_acc(a2);
+    if (w.vt + 1 < nvt) continue;
+
+    // the head's last V tile is in: the q and k terms of the block
+    const unsigned char* qs = smem + F::QK_OFF + (w.n % NQK) * 4 * ST + kb * ST;
+    const unsigned char* ks = qs + 2 * ST;
+    const float* gam = gslots + (w.hc % NA) * 64;
+    const float gL = gam[C - 1];
+    {
+      float rQ[2] = {0.f, 0.f}, rK[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int i = 16 * rg + g8 + 8 * hr, col0 = 8 * nt + 2 * q;
+          const float gi_ = gam[i];
+          const float fq = p.scale * __expf(gi_), fk = __expf(gL - gi_);
+          const float2 qv = sw128_get2<St>(qs, i, col0), kv = sw128_get2<St>(ks, i, col0);
+#pragma unroll
+          for (int e1 = 0; e1 < 2; ++e1) {
+            const int e = 2 * hr + e1;
+            const float dqs = fq * a1[nt][e];
+            rQ[hr] += (e1 ? qv.y : qv.x) * dqs;
+            rq[nt][e] += dqs;
+            const float dkt = fk * a2[nt][e];
+            rK[hr] += (e1 ? kv.y : kv.x) * dkt;
+            rk[nt][e] += dkt;
+          }
+        }
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        rQ[hr] = quad_sum(rQ[hr]);
+        rK[hr] = quad_sum(rK[hr]);
+        if (q == 0) {
+          rowQ[kb * 64 + 16 * rg + g8 + 8 * hr] = rQ[hr];
+          rowK[kb * 64 + 16 * rg + g8 + 8 * hr] = rK[hr];
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) sdot += __shfl_xor_sync(0xffffffffu, sdot, o);
+      if (lane == 0) sdots[kb * 4 + rg] = sdot;
+    }
+    // With Params::dq_l2norm, at the item's last head: the block's columns of the caller's q rows (rows past the
+    // chunk zero-filled) into shared memory, copied beside the products below
+    if (p.dq_l2norm && w.gi + 1 == G) {
+      load_tile_sw128<St, C, C, C, 128>(smem + F::QR_OFF + kb * ST, 0,
+                                        static_cast<const St*>(p.q_raw) + cur.ci.bos * p.tok_qr +
+                                            static_cast<int64_t>(cur.h) * p.ld_qr + kb * 64,
+                                        p.tok_qr, cur.ci.len, lt);
+      cp_async_commit();
+    }
+    // dQ_kb += (dA o E) K_kb (K-major A), dK1_kb += (dA o E)^T Q_kb (the same tile M-major); K and Q N-major
+    bar_sync(kQkBarDae, 384);
+    {
+      const uint64_t daek = sw128_desc(smem + F::DAE_OFF, 16), daem = sw128_desc(smem + F::DAE_OFF, ST);
+      const uint64_t dk = sw128_desc(ks, ST), dq = sw128_desc(qs, ST);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_ss_t<St, 0, 1, 8>(rq, daek + 2 * kk, dk + 128 * kk, 1);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_ss_t<St, 1, 1, 8>(rk, daem + 128 * kk, dq + 128 * kk, 1);
+      wg_commit();
+    }
+    // the block's partial gradient of gam, by the warpgroup's first 64 threads (row lt): the q and k terms' row
+    // sums, for block 0 the A term's row sums less its column sums (warpgroup 0's), and on the last row the state
+    // terms: e^{gam_L} sum(hT o dhT) (the four warps' sums) and the sum of the k terms
+    bar_sync(kQkBarOwn + kb, 128);
+    if (lt < 64) {
+      const int i = lt;
+      float v = rowQ[kb * 64 + i] - rowK[kb * 64 + i];
+      if (kb == 0) v += rowA[i] - ((colB[i] + colB[64 + i]) + (colB[128 + i] + colB[192 + i]));
+      if (lt >= 32) {  // (the warpgroup's warp 1: rows 32..63)
+        float kd = rowK[kb * 64 + lane] + rowK[kb * 64 + 32 + lane];
+        float sd = lane < 4 ? sdots[kb * 4 + lane] : 0.f;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          kd += __shfl_xor_sync(0xffffffffu, kd, o);
+          sd += __shfl_xor_sync(0xffffffffu, sd, o);
+        }
+        if (i == C - 1) v += __expf(gL) * sd + kd;
+      }
+      p.dgam1[((static_cast<int64_t>(kb) * NC + cur.c) * p.HV + cur.h * G + w.gi) * C + i] = v;
+    }
+    wg_wait<0>();
+    wg_fence_acc(rq);
+    wg_fence_acc(rk);
+    if (w.gi + 1 < G) continue;
+
+    // the item's last step. With Params::dq_l2norm the L2 norm's chain rule (l2norm_chain_2blocks) turns dq (of the
+    // normalised q) into the gradient of the caller's q, whose rows the warpgroup copied into QR_OFF
+    if (p.dq_l2norm) {
+      cp_async_wait<0>();  // the q rows (and the next step's tiles, issued before them)
+      bar_sync(kQkBarOwn + kb, 128);  // ... every thread's copies of the block
+      float2 xq[2][8];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          xq[hr][nt] = sw128_get2<St>(smem + F::QR_OFF + kb * ST, 16 * rg + g8 + 8 * hr, 8 * nt + 2 * q);
+      l2norm_chain_2blocks(rq, xq, kb, rg, g8, q, rowN, kQkBarPair, p.l2norm_eps);
+    }
+    // dq (input dtype; fp32 with grad_f32, unless the chain rule above applied) and the first part of dk (fp32),
+    // valid rows
+    const bool dq_f32 = p.grad_f32 && !p.dq_l2norm;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int i = 16 * rg + g8 + 8 * hr;
+        if (i < cur.ci.len) {
+          const int64_t off = (cur.ci.bos + i) * HK + static_cast<int64_t>(cur.h) * K + kb * 64 + 8 * nt + 2 * q;
+          st2_grad<St>(p.dq, off, rq[nt][2 * hr], rq[nt][2 * hr + 1], dq_f32);
+          st2<float>(p.dk1 + off, rk[nt][2 * hr], rk[nt][2 * hr + 1]);
+        }
+      }
+    zero_acc(rq);
+    zero_acc(rk);
+    if (w.n + 1 < nitems) cur = qk3_item(p, cw.it);
+  }
+}
+
 // (a template, so that the kernel of the other branch is never named for this St)
 template <class St>
-void launch_grad_qk_t(const Params& p, void* stream) {
-  auto go = [&](auto kern, size_t bytes, int ctas) {
+void launch_grad_qk_t(const Params& p, bool whole_rows, void* stream) {
+  auto go = [&](auto kern, size_t bytes, int ctas, int threads) {
     GD_CUDA_CHECK(set_max_smem(reinterpret_cast<const void*>(kern), bytes));
-    kern<<<dim3(ctas), 256, bytes, static_cast<cudaStream_t>(stream)>>>(p);
+    kern<<<dim3(ctas), threads, bytes, static_cast<cudaStream_t>(stream)>>>(p);
     GD_CUDA_LAUNCH_CHECK();
   };
   const int items = qk_items(p);
-  if constexpr (HasWgmma<St>::value) go(grad_qk_wg_kernel<St>, QkWgCfg<St>::bytes, std::min(items, p.sms));
-  else go(grad_qk_kernel<St>, QkCfg<St>::bytes, items);
+  if constexpr (HasWgmma<St>::value) {
+    if (whole_rows) {
+      go(grad_qk_wg3_kernel<St>, QkWg3Cfg<St>::bytes, std::min(qk3_items(p), p.sms), QkWg3Cfg<St>::NT);
+    } else {
+      TORCH_CHECK(!p.dq_l2norm, "gated_delta CUDA: dq's L2-norm chain rule needs grad_qk's rows whole (K = 128)");
+      go(grad_qk_wg_kernel<St>, QkWgCfg<St>::bytes, std::min(items, p.sms), 256);
+    }
+  } else {
+    TORCH_CHECK(!p.dq_l2norm, "gated_delta CUDA: dq's L2-norm chain rule needs grad_qk's rows whole (16-bit inputs)");
+    go(grad_qk_kernel<St>, QkCfg<St>::bytes, items, 256);
+  }
 }
+
+bool grad_qk_whole_rows(DType dtype, int K) { return dtype != DType::kFloat && K == 128; }
 
 void launch_grad_qk(const Params& p, DType dtype, void* stream) {
   if (p.NC == 0) return;
-  GD_DTYPE_SWITCH(dtype, St, [&] { launch_grad_qk_t<St>(p, stream); });
+  const bool whole_rows = grad_qk_whole_rows(dtype, p.K);
+  GD_DTYPE_SWITCH(dtype, St, [&] { launch_grad_qk_t<St>(p, whole_rows, stream); });
 }
 
 }  // namespace cuda

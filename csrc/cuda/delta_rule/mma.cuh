@@ -410,6 +410,66 @@ template <int N> __device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
   for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 }
 
+// The L2 norm's chain rule dx = r (dy - x r^2 (x . dy)), r = (sum(x^2) + eps)^(-1/2) (l2norm_bwd's), in place on a
+// warpgroup's fragments F of the 64-column block kb (0 or 1) of 64 rows of 128 columns (F[nt][e] at row
+// 16 rg + g8 + 8 (e >> 1), column 8 nt + 2q + (e & 1) of the block), x the caller's elements at those positions:
+// each row's two sums over its quad, then over the two blocks through rowN ([2][64][2] floats) after the named
+// barrier `bar` of the two warpgroups (256 threads), block 0's part first in both.
+__device__ __forceinline__ void l2norm_chain_2blocks(float (&F)[8][4], const float2 (&x)[2][8], int kb, int rg, int g8,
+                                                     int q, float* rowN, int bar, float eps) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float xx = 0.f, xd = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const float2 v = x[hr][nt];
+      xx += v.x * v.x + v.y * v.y;
+      xd += v.x * F[nt][2 * hr] + v.y * F[nt][2 * hr + 1];
+    }
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+      xx += __shfl_xor_sync(0xffffffffu, xx, o);
+      xd += __shfl_xor_sync(0xffffffffu, xd, o);
+    }
+    if (q == 0) *reinterpret_cast<float2*>(rowN + 2 * (kb * 64 + 16 * rg + g8 + 8 * hr)) = make_float2(xx, xd);
+  }
+  bar_sync(bar, 256);
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int i = 16 * rg + g8 + 8 * hr;
+    const float2 s0 = *reinterpret_cast<const float2*>(rowN + 2 * i);
+    const float2 s1 = *reinterpret_cast<const float2*>(rowN + 2 * (64 + i));
+    const float r = rsqrtf((s0.x + s1.x) + eps), c = r * r * (s0.y + s1.y);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      F[nt][2 * hr] = r * (F[nt][2 * hr] - x[hr][nt].x * c);
+      F[nt][2 * hr + 1] = r * (F[nt][2 * hr + 1] - x[hr][nt].y * c);
+    }
+  }
+}
+
+// Sums over a warp's fragment lanes: a row's (the four lanes of a quad), and the column sums of a warp's 16 x 8 NT
+// block whose lanes hold partial sums c[nt][e1] of column 8 nt + 2q + e1, over its eight row lanes, stored by lanes
+// g8 = 0 to col[8 nt + 2q + e1]
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x;
+}
+template <int NT>
+__device__ __forceinline__ void store_col_sums(const float (&c)[NT][2], float* col, int g8, int q) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e1 = 0; e1 < 2; ++e1) {
+      float x = c[nt][e1];
+      x += __shfl_xor_sync(0xffffffffu, x, 4);
+      x += __shfl_xor_sync(0xffffffffu, x, 8);
+      x += __shfl_xor_sync(0xffffffffu, x, 16);
+      if (g8 == 0) col[8 * nt + 2 * q + e1] = x;
+    }
+}
+
 // warp-wide inclusive prefix sum
 __device__ __forceinline__ float warp_incl_scan(float x) {
   const int lane = threadIdx.x & 31;

@@ -129,7 +129,16 @@ struct Params {
   DType k_raw_dtype;
   int64_t ld_kr, tok_kr;
   float l2norm_eps;
+  // likewise for dq where grad_qk holds its rows whole (grad_qk_whole_rows, dq_l2norm): q_raw the caller's q, in the
+  // input dtype St (head to head ld_qr, token to token tok_qr elements apart); dq stored in St
+  int dq_l2norm;
+  const void* q_raw;
+  int64_t ld_qr, tok_qr;
 };
+
+// Whether grad_qk holds each (chunk, q/k head)'s rows of dq whole in one CTA (its three-warpgroup kernel: 16-bit
+// inputs, K = 128), so that it can apply the L2 norm's chain rule to dq itself (Params::dq_l2norm)
+bool grad_qk_whole_rows(DType dtype, int K);
 
 // CTAs along x of a sequential pass: one per unit, or with warm = 2 (the exact fallback, which runs in each
 // sequence's first unit) one per sequence (warmup.cuh, pass_unit)

@@ -98,22 +98,41 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const FragA<St>& a, 
   }
 }
 
-// acc = 0: d = A B; acc = 1: d += A B, with A 64 x 16 from shared memory too (descriptor da, K-major sw128, as B's
-// K-major form), N = 64.
-#define GD_WG_SS64(TY)                                                                                        \
+
+// acc = 0: d = A B; acc = 1: d += A B with both operands from shared memory, in either major order: A 64 x 16 by
+// descriptor da (TA = 0: K-major, as B's K-major form; TA = 1: M-major, the tile's rows along the contraction, as
+// B's N-major form), B 16 x N by db (TB as in wgmma_rs), NT = N / 8 (8 or 16). NEG: A enters negated (scale-a -1),
+// exactly -(A B).
+#define GD_WG_SST64(TY)                                                                                       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                  \
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " GD_WG_D64                         \
-               ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                             \
+               ", %32, %33, p, %35, 1, %36, %37;\n}\n"                                                       \
                : GD_WG_F4(0), GD_WG_F4(1), GD_WG_F4(2), GD_WG_F4(3), GD_WG_F4(4), GD_WG_F4(5), GD_WG_F4(6), \
                  GD_WG_F4(7)                                                                                  \
-               : "l"(da), "l"(db), "r"(acc))
-template <class St>
-__device__ __forceinline__ void wgmma_ss(float (&d)[8][4], uint64_t da, uint64_t db, int acc) {
+               : "l"(da), "l"(db), "r"(acc), "n"(SA), "n"(TA), "n"(TB))
+#define GD_WG_SST128(TY)                                                                                       \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                   \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " GD_WG_D128                        \
+               ", %64, %65, p, %67, 1, %68, %69;\n}\n"                                                        \
+               : GD_WG_F4(0), GD_WG_F4(1), GD_WG_F4(2), GD_WG_F4(3), GD_WG_F4(4), GD_WG_F4(5), GD_WG_F4(6),  \
+                 GD_WG_F4(7), GD_WG_F4(8), GD_WG_F4(9), GD_WG_F4(10), GD_WG_F4(11), GD_WG_F4(12), GD_WG_F4(13), \
+                 GD_WG_F4(14), GD_WG_F4(15)                                                                    \
+               : "l"(da), "l"(db), "r"(acc), "n"(SA), "n"(TA), "n"(TB))
+template <class St, int TA, int TB, int NT, bool NEG = false>
+__device__ __forceinline__ void wgmma_ss_t(float (&d)[NT][4], uint64_t da, uint64_t db, int acc) {
   static_assert(HasWgmma<St>::value, "wgmma products take 16-bit operands");
-  if constexpr (std::is_same_v<St, __half>) GD_WG_SS64("f16");
-  else GD_WG_SS64("bf16");
+  static_assert(NT == 8 || NT == 16, "N = 64 or 128");
+  constexpr int SA = NEG ? -1 : 1;
+  if constexpr (NT == 8) {
+    if constexpr (std::is_same_v<St, __half>) GD_WG_SST64("f16");
+    else GD_WG_SST64("bf16");
+  } else {
+    if constexpr (std::is_same_v<St, __half>) GD_WG_SST128("f16");
+    else GD_WG_SST128("bf16");
+  }
 }
-#undef GD_WG_SS64
+#undef GD_WG_SST128
+#undef GD_WG_SST64
 #undef GD_WG_N128
 #undef GD_WG_N64
 #undef GD_WG_D128
@@ -146,6 +165,24 @@ template <class St> __device__ __forceinline__ float2 sw128_get2(const unsigned 
 }
 template <class St> __device__ __forceinline__ float2 sw128_get2(const unsigned char* s, int r, int c) {
   return sw128_get2<St>(s, sw128_off(r, c));
+}
+// acc + sum of the elementwise products of N 16-byte chunks (from chunk c0 on) of two 16-bit tiles of one layout
+// (equal byte offsets hold equal positions, as two sw128 tiles of the same shape), the pairs added in order
+template <class St, int N>
+__device__ __forceinline__ float dot_chunks(const unsigned char* a, const unsigned char* b, int c0, float acc) {
+  const uint4* x = reinterpret_cast<const uint4*>(a) + c0;
+  const uint4* y = reinterpret_cast<const uint4*>(b) + c0;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const uint4 xv = x[j], yv = y[j];
+    const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w}, ys[4] = {yv.x, yv.y, yv.z, yv.w};
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const float2 u = unpack2<St>(xs[t]), v = unpack2<St>(ys[t]);
+      acc += u.x * v.x + u.y * v.y;
+    }
+  }
+  return acc;
 }
 // lda of a tile of RT rows per block: A[m][k] = tile[m][k], rows m0.., contraction k0..
 template <class St, int RT = 64>
